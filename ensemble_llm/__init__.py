@@ -1,0 +1,17 @@
+"""ensemble_llm: token-level ensembles of local causal LMs with different tokenizers.
+
+Core package; imports neither LangChain nor LlamaIndex (the facades live in `integrations/`).
+"""
+
+from .engine import Ensemble, GenerationResult, TextStream, AsyncTextStream, Usage
+from .errors import ChecksumError, ConfigError, EnsembleError, GenerationError, ModelNotFoundError, RequestError
+from .members import BUNDLED, DEFAULT_MODELS, Member
+from .methods import METHODS, SingleConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncTextStream", "BUNDLED", "ChecksumError", "ConfigError", "DEFAULT_MODELS", "Ensemble", "EnsembleError",
+    "GenerationError", "GenerationResult", "METHODS", "Member", "ModelNotFoundError", "RequestError",
+    "SingleConfig", "TextStream", "Usage",
+]

@@ -1,0 +1,107 @@
+"""`ensemble-llm`: generate | models list | models pull."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_PROMPT = "What is the capital of France?"
+BEST_METHOD = "single"  # the best method that has landed; the default of `generate`
+
+
+def _cmd_generate(args) -> int:
+    from . import Ensemble, EnsembleError
+
+    models = args.models.split(",") if args.models else None
+    try:
+        t0 = time.perf_counter()
+        engine = Ensemble(models, method=args.method, device=args.device)
+        print(f"[ensemble-llm] {args.method} over {', '.join(engine.model_names)}", file=sys.stderr, flush=True)
+        engine.load()
+        print(f"[ensemble-llm] models ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, raw=args.raw)
+        if args.stream:
+            stream = engine.stream(args.prompt, **kw)
+            for delta in stream:
+                print(delta, end="", flush=True)
+            print()
+            result = stream.result
+        else:
+            result = engine.generate(args.prompt, **kw)
+            print(result.text)
+    except EnsembleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.stats:
+        print(json.dumps({"usage": result.usage.to_dict(), "finish_reason": result.finish_reason,
+                          "stats": result.stats}, indent=2), file=sys.stderr)
+    return 0
+
+
+def _cmd_models_list(args) -> int:
+    from .members import BUNDLED
+    from .members.convert import is_converted
+    from .members.fetch import cache_root
+
+    root = cache_root()
+    for name, m in BUNDLED.items():
+        ready = "converted" if is_converted(root / "converted" / name) else "not fetched"
+        default = " (default)" if m.default else ""
+        print(f"{name:30s} {m.size_hint:>8s}  {ready:12s} {m.description}{default}")
+    return 0
+
+
+def _cmd_models_pull(args) -> int:
+    from .errors import EnsembleError
+    from .members import BUNDLED
+    from .members.loader import local_dir, resolve_source
+
+    names = args.names or [n for n, m in BUNDLED.items() if m.default]
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            path = local_dir(resolve_source(name))
+            print(f"{name}: ready in {path} ({time.perf_counter() - t0:.1f} s)")
+    except EnsembleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ensemble-llm", description="Ensembles of local causal LMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer a prompt with the ensemble")
+    g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    g.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    g.add_argument("--method", default=BEST_METHOD)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--stats", action="store_true", help="print usage and stats as JSON on stderr")
+    g.set_defaults(func=_cmd_generate)
+    m = sub.add_parser("models", help="bundled models")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    ml = msub.add_parser("list", help="list bundled models and whether they are ready")
+    ml.set_defaults(func=_cmd_models_list)
+    mp = msub.add_parser("pull", help="fetch and convert bundled models (default: the default pair)")
+    mp.add_argument("names", nargs="*")
+    mp.set_defaults(func=_cmd_models_pull)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Errors raised by ensemble_llm. Every message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class EnsembleError(Exception):
+    """Base class of every error raised on purpose by ensemble_llm."""
+
+
+class ConfigError(EnsembleError, ValueError):
+    """A bad argument to a constructor or a config dataclass."""
+
+
+class ModelNotFoundError(ConfigError):
+    """A model name, path or hub id that cannot be resolved offline."""
+
+
+class ChecksumError(EnsembleError):
+    """A downloaded or assembled model file whose sha256 is not the expected one."""
+
+
+class RequestError(EnsembleError, ValueError):
+    """A bad generation request (empty prompt, prompt too long, bad sampling values...)."""
+
+
+class GenerationError(EnsembleError, RuntimeError):
+    """A failure inside generation; the engine stays usable after it."""

@@ -1,0 +1,8 @@
+"""Members: one loaded causal LM each, and the token-level API the methods use."""
+
+from .loader import Source, clear_cache, load_member, resolve_device, resolve_dtype, resolve_source
+from .member import KVState, Member
+from .registry import BUNDLED, DEFAULT_MODELS
+
+__all__ = ["BUNDLED", "DEFAULT_MODELS", "KVState", "Member", "Source", "clear_cache", "load_member",
+           "resolve_device", "resolve_dtype", "resolve_source"]

@@ -1,0 +1,121 @@
+"""Convert a GGUF checkpoint once into a plain transformers folder (safetensors + tokenizer files).
+
+transformers dequantizes GGUF weights at load time (20-110 s here) and then refuses
+`save_pretrained` because the model still carries its GGUF quantizer. The weights are already
+plain floating-point tensors at that point, so we detach the quantizer the way
+`PreTrainedModel.dequantize()` does (`hf_quantizer.remove_quantization_config`) after checking
+that no quantized module is left, and save normally. Later loads read safetensors in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+
+from ..errors import ModelNotFoundError
+
+MARKER = "ensemble_llm_source.json"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def is_converted(out_dir: Path) -> bool:
+    return (out_dir / MARKER).is_file() and (out_dir / "config.json").is_file()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> Path:
+    """Dequantize `gguf_path` into `out_dir` (atomic: a half-written folder is never used)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf_path} does not exist; pass the path of an existing .gguf file.")
+    with _file_lock(out_dir.parent / f".{out_dir.name}.lock"):
+        if is_converted(out_dir):  # another process finished it while we waited
+            return out_dir
+        t0 = time.perf_counter()
+        print(f"[ensemble-llm] converting {gguf_path.name} once into {out_dir} (this takes up to two minutes)…",
+              flush=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the fix
+            raise ModelNotFoundError(
+                f"transformers could not read {gguf_path} ({type(exc).__name__}: {exc}). The file may be "
+                f"truncated or of an architecture transformers cannot load from GGUF; re-download it.") from exc
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+            if bad:
+                raise ModelNotFoundError(
+                    f"{gguf_path.name} kept {len(bad)} quantized tensors after loading (e.g. {bad[0]}); "
+                    "uninstall the `kernels` package so transformers dequantizes GGUF weights, then retry.")
+            quantizer.remove_quantization_config(model)
+        tmp = out_dir.with_name(out_dir.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {"gguf": str(gguf_path), "converted_in_s": round(time.perf_counter() - t0, 1), **(source or {})}
+        (tmp / MARKER).write_text(json.dumps(info, indent=2))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+        print(f"[ensemble-llm] converted in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out_dir
+
+
+TOKENIZER_PICKLE = "tokenizer.ensemble_llm.pkl"
+
+
+def _tokenizer_key() -> str:
+    import tokenizers
+    import transformers
+
+    return f"transformers={transformers.__version__};tokenizers={tokenizers.__version__}"
+
+
+def load_cached_tokenizer(folder: Path):
+    """The tokenizer of a folder that WE converted, from a pickle written next to it.
+
+    Parsing Gemma's 33 MB tokenizer.json through AutoTokenizer takes ~4 s here; the pickled
+    tokenizer loads in ~2 s, which keeps a warm load of the default pair under 5 s. The pickle is
+    our own cache file (in our cache folder, never a user's model folder); it is keyed by the
+    transformers/tokenizers versions and rebuilt from tokenizer.json when they change or it fails.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(folder) / TOKENIZER_PICKLE
+    key = _tokenizer_key()
+    if path.is_file():
+        try:
+            with open(path, "rb") as fh:
+                stored_key, tokenizer = pickle.load(fh)
+            if stored_key == key:
+                return tokenizer
+        except Exception:  # noqa: BLE001 - a stale or broken cache file is rebuilt below
+            pass
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tmp = path.with_suffix(".partial")
+    try:
+        with open(tmp, "wb") as fh:
+            pickle.dump((key, tokenizer), fh, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except OSError:  # read-only cache: just skip the speed-up
+        tmp.unlink(missing_ok=True)
+    return tokenizer

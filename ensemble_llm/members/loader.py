@@ -1,0 +1,153 @@
+"""Resolve a member spec (bundled name, local folder, local .gguf, cached hub id) and load it once
+per process."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, ModelNotFoundError
+from .convert import convert_gguf, is_converted, load_cached_tokenizer
+from .fetch import cache_root, fetch_bundled
+from .member import Member
+from .registry import BUNDLED
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a member's weights come from, resolved without loading anything."""
+
+    kind: str  # "bundled" | "dir" | "gguf" | "hub"
+    ref: str  # bundled name, absolute path or hub id
+    name: str  # short display name
+
+
+def resolve_source(spec: str | os.PathLike) -> Source:
+    """Classify a member spec; raise ModelNotFoundError with the valid choices when it is none."""
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ConfigError(f"a member must be a model name or path (str), got {type(spec).__name__}: {spec!r}")
+    text = os.fspath(spec)
+    if text in BUNDLED:
+        return Source("bundled", text, text)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {path} does not exist; pass the path of an existing .gguf file.")
+        return Source("gguf", str(path.resolve()), path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a folder but holds no config.json; pass a transformers model folder.")
+        return Source("dir", str(path.resolve()), path.name)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        return Source("hub", text, text.split("/")[1])
+    raise ModelNotFoundError(
+        f"unknown model {text!r}. Use a bundled name ({', '.join(sorted(BUNDLED))}), a local transformers "
+        "folder, a local .gguf file, or a hub id ('org/name') already in the local Hugging Face cache.")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto' picks CUDA when present, else CPU; a device that does not exist is an error."""
+    if device is None or device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r} is not a valid torch device ({exc}); use 'auto', 'cpu', 'cuda' or 'cuda:N'.") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} asks for CUDA but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
+        index = dev.index or 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s).")
+        return torch.device("cuda", index)
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r} is not available here; use 'cpu' or 'auto'.")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(table)}.")
+    return table[dtype]
+
+
+def local_dir(source: Source, cache_dir=None, progress: bool = True) -> Path:
+    """A transformers folder for `source`, fetching and converting once if needed."""
+    root = cache_root(cache_dir)
+    if source.kind == "dir":
+        return Path(source.ref)
+    if source.kind == "bundled":
+        out = root / "converted" / source.ref
+        if not is_converted(out):
+            model = BUNDLED[source.ref]
+            gguf = fetch_bundled(model, cache_dir, progress=progress)
+            convert_gguf(gguf, out, {"bundled": model.name, "sha256": model.sha256})
+        return out
+    if source.kind == "gguf":
+        p = Path(source.ref)
+        st = p.stat()
+        key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        out = root / "converted" / f"{p.stem}-{key}"
+        if not is_converted(out):
+            convert_gguf(p, out)
+        return out
+    # hub id: only what is already in the local HF cache
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(source.ref, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001
+        raise ModelNotFoundError(
+            f"hub model {source.ref!r} is not in the local Hugging Face cache and ensemble_llm works offline. "
+            f"Download it once where the hub is reachable (`huggingface-cli download {source.ref}`), or pass a "
+            "local folder, a .gguf file or a bundled name.") from exc
+
+
+_CACHE: dict[tuple, Member] = {}
+_CACHE_LOCK = threading.Lock()
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
+
+
+def load_member(spec, *, device="auto", dtype="auto", cache_dir=None, trust_remote_code: bool = False,
+                progress: bool = True) -> Member:
+    """Load (once per process) the member described by `spec` on `device`."""
+    source = resolve_source(spec)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    key = (source, str(dev), str(dt), str(cache_dir), trust_remote_code)
+    with _CACHE_LOCK:
+        lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    with lock:  # one load per model; different models may load in parallel
+        if key in _CACHE:
+            return _CACHE[key]
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = local_dir(source, cache_dir, progress=progress)
+        t0 = time.perf_counter()
+        tokenizer = (load_cached_tokenizer(folder) if source.kind in ("bundled", "gguf")
+                     else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code))
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dt, device_map={"": dev}, trust_remote_code=trust_remote_code)
+        member = Member(source.name, model, tokenizer, source=str(folder))
+        member.load_seconds = time.perf_counter() - t0
+        _CACHE[key] = member
+        return member
+
+
+def clear_cache() -> None:
+    """Forget every loaded member (frees memory once no engine holds them)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()

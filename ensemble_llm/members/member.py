@@ -1,0 +1,249 @@
+"""One loaded causal LM and the token-level API the ensembling methods use.
+
+A method never touches transformers directly. It asks a member to encode/decode text (with byte
+end offsets of every token), to render chat messages into its own prompt, and to run forwards
+on a KV cache it owns through a `KVState`: prefill/extend (log-probs for every new position),
+crop (rollback), batched forwards, and in-line scoring of several candidates in one pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .vocab import token_bytes
+
+PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool result: "}
+PLAIN_STOPS = ("\nUser:",)
+
+
+@dataclass
+class KVState:
+    """A member's KV cache over `ids`; `next_logprobs` is log p(. | ids) when known."""
+
+    ids: list[int] = field(default_factory=list)
+    cache: Any = None
+    next_logprobs: torch.Tensor | None = None  # [V] float32
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class Member:
+    """A causal LM + tokenizer on one device, with forward-pass counters for stats."""
+
+    def __init__(self, name: str, model, tokenizer, *, source: str = "") -> None:
+        self.name = name
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.source = source
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        cfg = model.config.get_text_config(decoder=True)
+        self.context_window = int(getattr(cfg, "max_position_embeddings", None) or 2048)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.bos_id = tokenizer.bos_token_id
+        probe = tokenizer("a").input_ids
+        self.adds_bos = bool(self.bos_id is not None and probe and probe[0] == self.bos_id)
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.n_forward = 0
+        self.forward_time = 0.0
+
+    def __repr__(self) -> str:
+        return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
+
+    # ---- text <-> tokens ---------------------------------------------------------------
+    @cached_property
+    def _vocab(self) -> tuple[list[bytes], frozenset[int]]:
+        return token_bytes(self.tokenizer, self.vocab_size)
+
+    @property
+    def vocab_bytes(self) -> list[bytes]:
+        """Bytes of every token id (index = id)."""
+        return self._vocab[0]
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._vocab[1]
+
+    def encode(self, text: str) -> list[int]:
+        """Canonical tokenization of `text`, no special tokens added."""
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids and, for each token, the byte offset (in text.encode('utf-8')) where it ends."""
+        ids = self.encode(text)
+        vb = self.vocab_bytes
+        ends, pos = [], 0
+        for i in ids:
+            pos += len(vb[i])
+            ends.append(pos)
+        if pos != len(text.encode("utf-8")):
+            # a normalizer changed the text (e.g. a dummy prefix): fall back to char offsets
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ends = [len(text[:e].encode("utf-8")) for _, e in enc.offset_mapping]
+        return ids, ends
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ({'role', 'content', ...} dicts) with this member's chat
+        template, or a plain 'User:/Assistant:' transcript for models without one."""
+        if self.has_chat_template:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
+        lines = []
+        for m in messages:
+            content = m.get("content") or ""
+            if not isinstance(content, str):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            lines.append(PLAIN_ROLES.get(m["role"], f"{m['role'].capitalize()}: ") + content)
+        text = "\n".join(lines)
+        return text + ("\nAssistant:" if add_generation_prompt else "")
+
+    @property
+    def chat_stop_strings(self) -> tuple[str, ...]:
+        """Stop strings implied by the chat format (the plain transcript's next 'User:' turn)."""
+        return () if self.has_chat_template else PLAIN_STOPS
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a prompt: BOS added when this tokenizer uses one and the text lacks it."""
+        bos_tok = self.tokenizer.bos_token
+        if self.adds_bos and bos_tok and text.startswith(bos_tok):
+            text = text[len(bos_tok):]
+        ids = self.encode(text)
+        return ([self.bos_id] + ids) if self.adds_bos else ids
+
+    # ---- forwards ------------------------------------------------------------------------
+    def _forward(self, **kw) -> torch.Tensor:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.model(**kw).logits
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.n_forward += 1
+        self.forward_time += time.perf_counter() - t0
+        return logits
+
+    def new_state(self) -> KVState:
+        # Full (non-sliding) cache layers everywhere: sliding-window attention is still applied by the
+        # model's masks, and a full layer can be rolled back to any length (a sliding layer cannot).
+        return KVState(cache=DynamicCache())
+
+    def extend(self, state: KVState, ids: Sequence[int]) -> torch.Tensor:
+        """Append `ids` to the cache in one forward; log-probs [len(ids), V] (row i predicts the
+        token after ids[i])."""
+        if not ids:
+            raise ValueError("extend() needs at least one token id")
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        logits = self._forward(input_ids=x, cache=state.cache, use_cache=True)[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        state.ids.extend(int(i) for i in ids)
+        state.next_logprobs = logp[-1]
+        return logp
+
+    def prefill(self, ids: Sequence[int]) -> KVState:
+        """A new state holding `ids` (the prompt); its next_logprobs is ready."""
+        state = self.new_state()
+        self.extend(state, ids)
+        return state
+
+    def crop(self, state: KVState, n: int) -> None:
+        """Roll the cache back to its first `n` tokens. next_logprobs becomes unknown (None) unless
+        nothing was removed; `ensure_next` recomputes it."""
+        if not 0 <= n <= len(state.ids):
+            raise ValueError(f"crop({n}) out of range for a state of {len(state.ids)} tokens")
+        k = len(state.ids) - n
+        if k == 0:
+            return
+        if n == 0:
+            state.cache = DynamicCache()
+        else:
+            state.cache.crop(-k)
+        del state.ids[n:]
+        state.next_logprobs = None
+
+    def ensure_next(self, state: KVState) -> torch.Tensor:
+        """log p(. | state.ids), recomputing the last position after a crop."""
+        if state.next_logprobs is None:
+            last = state.ids[-1]
+            self.crop(state, len(state.ids) - 1)
+            self.extend(state, [last])
+        return state.next_logprobs
+
+    @staticmethod
+    def topk(logprobs: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
+        vals, idx = torch.topk(logprobs, k)
+        return vals.tolist(), idx.tolist()
+
+    def forward_batch(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Log-probs [len_i, V] for each sequence, all in one padded forward (no cache)."""
+        if not seqs or any(len(s) == 0 for s in seqs):
+            raise ValueError("forward_batch needs non-empty sequences")
+        width = max(len(s) for s in seqs)
+        x = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
+        for r, s in enumerate(seqs):
+            x[r, : len(s)] = torch.tensor(list(s))
+            mask[r, : len(s)] = 1
+        logits = self._forward(input_ids=x, attention_mask=mask, use_cache=False)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return [logp[r, : len(s)] for r, s in enumerate(seqs)]
+
+    def score_inline(self, state: KVState, candidates: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Log-prob of every token of each candidate continuation of `state`, all candidates in ONE
+        forward: they are concatenated after the cached context with a block attention mask (each
+        sees the context and itself) and position ids restarting at the context length. The cache
+        is left as it was."""
+        if not candidates or any(len(c) == 0 for c in candidates):
+            raise ValueError("score_inline needs non-empty candidates")
+        first_lp = self.ensure_next(state)
+        p = len(state.ids)
+        total = sum(len(c) for c in candidates)
+        flat = [t for c in candidates for t in c]
+        pos, starts = [], []
+        for c in candidates:
+            starts.append(len(pos))
+            pos.extend(range(p, p + len(c)))
+        neg = torch.finfo(self.dtype).min
+        mask = torch.full((total, p + total), neg, dtype=self.dtype, device=self.device)
+        mask[:, :p] = 0.0
+        for s, c in zip(starts, candidates):
+            blk = torch.triu(torch.full((len(c), len(c)), neg, dtype=self.dtype, device=self.device), 1)
+            mask[s : s + len(c), p + s : p + s + len(c)] = blk
+        attention_mask: Any = mask[None, None]
+        cfg = self.model.config.get_text_config(decoder=True)
+        window = getattr(cfg, "sliding_window", None)
+        if window and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            # sliding layers get their own mask: a query at position i sees keys j with i - j < window
+            qpos = torch.tensor(pos, device=self.device)
+            kpos = torch.cat([torch.arange(p, device=self.device), qpos])
+            far = (qpos[:, None] - kpos[None, :]) >= window
+            attention_mask = {"full_attention": mask[None, None],
+                              "sliding_attention": mask.masked_fill(far, neg)[None, None]}
+        logits = self._forward(
+            input_ids=torch.tensor([flat], device=self.device),
+            attention_mask=attention_mask,
+            position_ids=torch.tensor([pos], device=self.device),
+            cache=state.cache, use_cache=True,
+        )[0]
+        state.cache.crop(-total)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        out = []
+        for s, c in zip(starts, candidates):
+            ids = torch.tensor(list(c), device=self.device)
+            rows = torch.cat([first_lp[None], logp[s : s + len(c) - 1]], dim=0)
+            out.append(rows.gather(1, ids[:, None])[:, 0])
+        return out

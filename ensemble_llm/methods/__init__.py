@@ -1,0 +1,18 @@
+"""Ensembling methods, one file each, all behind `Method` (see base.py)."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import Method, Request
+from .single import Single, SingleConfig
+
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single,)}
+
+
+def get_method(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
+__all__ = ["METHODS", "Method", "Request", "Single", "SingleConfig", "get_method"]

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight models built with the REAL bundled tokenizers (fast), and
+the real bundled models (tests marked `real`)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+
+SMOL = "smollm2-135m-instruct"
+GEMMA = "gemma-3-270m"
+
+
+@pytest.fixture(scope="session")
+def real_dirs():
+    """Converted folders of the bundled pair (fetched and converted once per machine)."""
+    from ensemble_llm.members.loader import local_dir, resolve_source
+
+    return {name: local_dir(resolve_source(name), progress=False) for name in (SMOL, GEMMA)}
+
+
+@pytest.fixture(scope="session")
+def tokenizers(real_dirs):
+    from transformers import AutoTokenizer
+
+    return {name: AutoTokenizer.from_pretrained(path) for name, path in real_dirs.items()}
+
+
+def _tiny_llama(vocab: int, ctx: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ctx,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def _tiny_gemma(vocab: int, ctx: int):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=ctx,
+                           bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    return Gemma3ForCausalLM(cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, tokenizers):
+    """Folders with tiny random-weight models and the real tokenizers: {'smol', 'gemma', 'smol_short'}."""
+    torch.manual_seed(0)
+    out = {}
+    for key, build, name, ctx in (("smol", _tiny_llama, SMOL, 2048), ("gemma", _tiny_gemma, GEMMA, 2048),
+                                  ("smol_short", _tiny_llama, SMOL, 64)):
+        tok = tokenizers[name]
+        model = build(len(tok), ctx)
+        path = tmp_path_factory.mktemp(f"tiny_{key}")
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        out[key] = str(path)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_members(tiny_dirs):
+    from ensemble_llm.members import load_member
+
+    return {k: load_member(v) for k, v in tiny_dirs.items()}
