@@ -6,12 +6,12 @@ Core package; imports neither LangChain nor LlamaIndex (the facades live in `int
 from .engine import Ensemble, GenerationResult, TextStream, AsyncTextStream, Usage
 from .errors import ChecksumError, ConfigError, EnsembleError, GenerationError, ModelNotFoundError, RequestError
 from .members import BUNDLED, DEFAULT_MODELS, Member
-from .methods import METHODS, SingleConfig
+from .methods import METHODS, SafeConfig, SingleConfig, UniteConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncTextStream", "BUNDLED", "ChecksumError", "ConfigError", "DEFAULT_MODELS", "Ensemble", "EnsembleError",
     "GenerationError", "GenerationResult", "METHODS", "Member", "ModelNotFoundError", "RequestError",
-    "SingleConfig", "TextStream", "Usage",
+    "SafeConfig", "SingleConfig", "TextStream", "UniteConfig", "Usage",
 ]

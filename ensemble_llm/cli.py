@@ -9,7 +9,7 @@ import sys
 import time
 
 DEFAULT_PROMPT = "What is the capital of France?"
-BEST_METHOD = "single"  # the best method that has landed; the default of `generate`
+BEST_METHOD = "safe"  # the best method that has landed; the default of `generate`
 
 
 def _cmd_generate(args) -> int:

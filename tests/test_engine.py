@@ -36,7 +36,7 @@ def test_single_on_second_member_uses_plain_fallback(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="single", config={"member": 1})
     res = eng.generate("Hi", max_new_tokens=5)
     g = eng.members[1]
-    assert res.usage.prompt_tokens == len(g.prompt_ids("User: Hi\nAssistant:"))
+    assert res.usage.prompt_tokens == len(g.prompt_ids("User:\nHi\nAssistant:\n"))
     assert res.stats["members"][eng.members[0].name]["forward_passes"] == 0
 
 

@@ -35,14 +35,16 @@ def test_gemma_completes_a_fact_through_the_plain_chat_fallback():
     eng = Ensemble(list(DEFAULT_MODELS), method="single", config={"member": 1})
     res = eng.generate("The capital of Germany is Berlin. The capital of France is", max_new_tokens=4, raw=True)
     assert res.text.startswith(" Paris")
-    chat = eng.generate([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=24)
-    assert "Paris" in chat.text
-    assert "\nUser:" not in chat.text  # the fallback transcript's next turn is a stop string
+    chat = eng.stream([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=48)
+    text = "".join(chat)
+    assert chat.result.usage.prompt_tokens == len(eng.members[1].prompt_ids(
+        "User:\nWhat is the capital of France?\nAssistant:\n"))
+    assert "\nUser:" not in text  # the fallback transcript's next turn is a stop string
 
 
 def test_cli_streams_an_answer(real_dirs):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "ensemble_llm", "generate", "--max-new-tokens", "16"],
+    out = subprocess.run([sys.executable, "-m", "ensemble_llm", "generate", "--max-new-tokens", "48"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

@@ -18,7 +18,10 @@ from transformers import DynamicCache
 
 from .vocab import token_bytes
 
-PLAIN_ROLES = {"system": "", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool result: "}
+# Plain transcript for models without a chat template. Each turn's text starts on its own line,
+# so an answer begins without a leading space, as it does after a ChatML "assistant\n" header:
+# members with and without templates then see the same answer text.
+PLAIN_ROLES = {"system": "", "user": "User:\n", "assistant": "Assistant:\n", "tool": "Tool result:\n"}
 PLAIN_STOPS = ("\nUser:",)
 
 
@@ -109,9 +112,9 @@ class Member:
             content = m.get("content") or ""
             if not isinstance(content, str):
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            lines.append(PLAIN_ROLES.get(m["role"], f"{m['role'].capitalize()}: ") + content)
+            lines.append(PLAIN_ROLES.get(m["role"], f"{m['role'].capitalize()}:\n") + content)
         text = "\n".join(lines)
-        return text + ("\nAssistant:" if add_generation_prompt else "")
+        return text + ("\nAssistant:\n" if add_generation_prompt else "")
 
     @property
     def chat_stop_strings(self) -> tuple[str, ...]:

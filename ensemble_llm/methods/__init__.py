@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .base import Method, Request
+from .safe import Safe, SafeConfig
 from .single import Single, SingleConfig
+from .unite import Unite, UniteConfig
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single,)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe)}
 
 
 def get_method(name: str) -> type[Method]:
@@ -15,4 +17,5 @@ def get_method(name: str) -> type[Method]:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "Method", "Request", "Single", "SingleConfig", "get_method"]
+__all__ = ["METHODS", "Method", "Request", "Safe", "SafeConfig", "Single", "SingleConfig", "Unite", "UniteConfig",
+           "get_method"]

@@ -1,0 +1,224 @@
+"""Helpers shared by `unite` and `safe`: aligning members' next-token distributions by token
+string (as real bytes), the union-top-k ensemble, sharpening, and keeping a member's KV cache on
+its canonical tokenization of the shared text.
+
+Token strings are compared as the bytes they stand for (`Member.vocab_bytes`), which normalises
+SentencePiece `▁`, GPT-2 byte-level `Ġ`/`Ċ` and byte-fallback `<0xNN>` to one spelling. Every
+member's EOS ids map to one key, `EOS`; other special tokens never take part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..members import KVState, Member
+
+EOS = None  # the union key of end-of-sequence (every member's EOS ids)
+Key = bytes | None
+
+
+class VocabIndex:
+    """bytes -> token id of one member (non-special tokens; the lowest id wins on duplicates)."""
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
+        self.by_bytes: dict[bytes, int] = {}
+        special = member.special_ids
+        dups: dict[bytes, list[int]] = {}
+        for i, b in enumerate(member.vocab_bytes):
+            if b and i not in special:
+                if b in self.by_bytes:
+                    dups.setdefault(b, [self.by_bytes[b]]).append(i)
+                else:
+                    self.by_bytes[b] = i
+        # Several ids can spell the same bytes (Gemma's "." and its byte-fallback <0x2E>): keep the
+        # one the tokenizer itself produces, the one the model actually puts its mass on.
+        for b, ids in dups.items():
+            try:
+                canon = member.encode(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+            if len(canon) == 1 and canon[0] in ids:
+                self.by_bytes[b] = canon[0]
+        self.eos = sorted(member.eos_ids)
+        self.max_len = max((len(b) for b in self.by_bytes), default=1)
+
+    def key_of(self, tok: int) -> Key:
+        return EOS if tok in self.member.eos_ids else self.member.vocab_bytes[tok]
+
+    def first_subtoken(self, key: bytes) -> int | None:
+        """The member's id for `key`, else the first token of its tokenization of `key`."""
+        if key in self.by_bytes:
+            return self.by_bytes[key]
+        try:
+            ids = self.member.encode(key.decode("utf-8"))
+            if ids:
+                return ids[0]
+        except UnicodeDecodeError:
+            pass
+        for n in range(min(len(key), self.max_len), 0, -1):  # a byte fragment: longest known prefix
+            if key[:n] in self.by_bytes:
+                return self.by_bytes[key[:n]]
+        return None
+
+    def ids_for(self, key: bytes) -> list[int]:
+        """Token ids that spell `key` for this member: its own token when it has one, else its
+        tokenization, else (a byte fragment) a greedy longest-match over its tokens' bytes."""
+        if key in self.by_bytes:
+            return [self.by_bytes[key]]
+        try:
+            return self.member.encode(key.decode("utf-8"))
+        except UnicodeDecodeError:
+            pass
+        ids, i = [], 0
+        while i < len(key):
+            for n in range(min(len(key) - i, self.max_len), 0, -1):
+                if key[i : i + n] in self.by_bytes:
+                    ids.append(self.by_bytes[key[i : i + n]])
+                    i += n
+                    break
+            else:
+                raise ValueError(f"{self.member.name} cannot spell the bytes {key!r}")
+        return ids
+
+    def logprob(self, row: torch.Tensor, key: Key) -> float:
+        if key is EOS:
+            return float(torch.logsumexp(row[self.eos], 0)) if self.eos else float("-inf")
+        tok = self.first_subtoken(key)
+        return float(row[tok]) if tok is not None else float("-inf")
+
+
+def vocab_index(member: Member) -> VocabIndex:
+    idx = getattr(member, "_vocab_index", None)
+    if idx is None:
+        idx = member._vocab_index = VocabIndex(member)
+    return idx
+
+
+def top_keys(member: Member, row: torch.Tensor, k: int, complete_only: bool = False) -> list[Key]:
+    """The member's k most likely next tokens as keys (special tokens other than EOS skipped;
+    with complete_only, byte fragments that are not valid UTF-8 on their own are skipped too)."""
+    idx = vocab_index(member)
+    _, ids = torch.topk(row, min(len(row), 4 * k + 8))
+    out: list[Key] = []
+    for t in ids.tolist():
+        key = idx.key_of(t)
+        if key is not EOS and (t in member.special_ids or not key):
+            continue
+        if complete_only and key is not EOS:
+            try:
+                key.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        if key not in out:
+            out.append(key)
+        if len(out) == k:
+            break
+    return out
+
+
+@dataclass
+class UnionDist:
+    keys: list[Key]
+    probs: torch.Tensor  # [U] ensemble distribution over keys (sums to 1 before sharpening)
+    per_member: torch.Tensor  # [K, U] each member's softmax over the union
+
+    def index(self, key: Key) -> int:
+        return self.keys.index(key)
+
+
+def union_distribution(members: Sequence[Member], rows: Sequence[torch.Tensor], weights: Sequence[float],
+                       k: int, complete_only: bool = False) -> UnionDist:
+    """UniTE: union of every member's top-k keys; each member's logits on the union (a key it
+    lacks gets its first sub-token's logit), softmax per member, weighted average."""
+    keys: list[Key] = []
+    for m, row in zip(members, rows):
+        for key in top_keys(m, row, k, complete_only):
+            if key not in keys:
+                keys.append(key)
+    logits = torch.tensor([[vocab_index(m).logprob(row, key) for key in keys] for m, row in zip(members, rows)])
+    per_member = torch.softmax(logits, dim=-1)
+    w = torch.tensor(list(weights), dtype=per_member.dtype)
+    probs = (w[:, None] * per_member).sum(0) / w.sum()
+    return UnionDist(keys, probs, per_member)
+
+
+def sharpen(dist: UnionDist, drafter_keys: Sequence[Key], mode: str | None, lam: float,
+            weights: Sequence[float]) -> torch.Tensor:
+    """SAFE's probability sharpening, applied by the caller only when max(probs) < 0.5.
+
+    heuristic: each drafter top-k key t with p(t) > lam gains the (pre-sharpening) mass of every
+    other union key that starts with it; a bare space never gains; no renormalisation.
+    geometric: weighted geometric mean of the members' union distributions, renormalised."""
+    p = dist.probs
+    if mode is None:
+        return p
+    if mode == "geometric":
+        w = torch.tensor(list(weights), dtype=p.dtype)
+        logp = (w[:, None] * torch.log(dist.per_member.clamp_min(1e-30))).sum(0) / w.sum()
+        return torch.softmax(logp, dim=-1)
+    out = p.clone()
+    for t in drafter_keys:
+        if t is EOS or t == b" " or t not in dist.keys:
+            continue
+        i = dist.index(t)
+        if p[i] <= lam:
+            continue
+        for j, other in enumerate(dist.keys):
+            if j != i and other is not EOS and other.startswith(t):
+                out[i] += p[j]
+    return out
+
+
+def valid_utf8_prefix(data: bytes) -> int:
+    """Length of the longest prefix of `data` that is complete, valid UTF-8."""
+    try:
+        data.decode("utf-8")
+        return len(data)
+    except UnicodeDecodeError as exc:
+        return exc.start
+
+
+@dataclass
+class CanonicalView:
+    """A member whose KV cache holds prompt + its canonical tokenization of the generated text."""
+
+    member: Member
+    prompt_len: int
+    state: KVState
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # byte boundary -> log p(next)
+    next_tok: dict[int, int] = field(default_factory=dict)  # byte boundary -> its own next token
+    ends: list[int] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, member: Member, prompt_ids: list[int]) -> "CanonicalView":
+        return cls(member, len(prompt_ids), member.prefill(prompt_ids))
+
+    def sync(self, text: str, from_byte: int = 0) -> None:
+        """Re-tokenize `text` (the whole generated text), keep the cached common prefix, and run
+        the rest in ONE forward; afterwards `rows` has log p(next) at every boundary >= from_byte."""
+        m, p = self.member, self.prompt_len
+        ids, ends = m.encode_with_offsets(text) if text else ([], [])
+        full = self.state.ids[:p] + ids
+        lcp = p
+        while lcp < min(len(full), len(self.state.ids)) and full[lcp] == self.state.ids[lcp]:
+            lcp += 1
+        # re-feed the token that ends at (or spans) from_byte, to get the row after it
+        if from_byte == 0:
+            first = p - 1
+        else:
+            first = p + next((i for i, e in enumerate(ends) if e >= from_byte), len(ends) - 1)
+        keep = min(lcp, first)
+        m.crop(self.state, keep)
+        logp = m.extend(self.state, full[keep:])
+        self.ends = ends
+        self.rows, self.next_tok = {}, {}
+        for a in range(keep, len(full)):
+            end = 0 if a == p - 1 else ends[a - p]
+            if a >= p - 1:
+                self.rows[end] = logp[a - keep]
+        for i, tok in enumerate(ids):
+            self.next_tok[0 if i == 0 else ends[i - 1]] = tok

@@ -1,0 +1,180 @@
+"""`safe`: SAFE, "When to Ensemble" (arXiv 2510.15346, ICLR 2026).
+
+Generate -> verify -> ensemble, once per cycle:
+1. the drafter drafts `lookahead` tokens on its KV cache;
+2. every verifier re-tokenizes the whole generated text (committed + draft) canonically, keeps
+   its cached common prefix and runs the rest in ONE forward, reading its next-token
+   distribution at each of its token boundaries;
+3. drafter position j (the token t_j after byte boundary b) may be ensembled only if b is a token
+   boundary of every verifier (t_{j-1} is not OOV-like) and t_j lies in complete UTF-8 text;
+4. it is skipped by consensus when every verifier's own next token at b spells the drafter's
+   token and either each is its verifier's top-1, or the mean over all members of each one's
+   probability of that token > `consensus` (Theorem 1: both imply the ensemble argmax is the
+   drafter's token);
+5. at the first position failing both checks the UniTE distribution is built (sharpened when its
+   max < 0.5) and a token picked; if it differs from t_j it replaces it, the rest of the
+   lookahead is dropped and the drafter's cache is cropped back to that point (verifiers are
+   cropped to their last common boundary at their next sync). Positions where the ensemble agrees
+   with the drafter are accepted and checking goes on.
+Text is yielded once its cycle is verified: it can no longer be rolled back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..errors import ConfigError
+from .align import EOS, CanonicalView, sharpen, top_keys, union_distribution, valid_utf8_prefix, vocab_index
+from .base import Method, Request
+from .sampling import pick_token
+from .unite import Emitter, check_weights
+
+SHARPEN_MODES = ("heuristic", "geometric", None)
+
+
+@dataclass
+class SafeConfig:
+    drafter: int = 0
+    lookahead: int = 5
+    top_k: int = 10
+    consensus: float = 0.5
+    sharpen: str | None = "heuristic"
+    sharpen_lambda: float = 0.1
+    weights: list[float] | None = None  # one per member (drafter included), default uniform
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.drafter, int) or self.drafter < 0:
+            raise ConfigError(f"SafeConfig.drafter must be a member index >= 0, got {self.drafter!r}")
+        if not isinstance(self.lookahead, int) or self.lookahead < 1:
+            raise ConfigError(f"SafeConfig.lookahead must be an integer >= 1, got {self.lookahead!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ConfigError(f"SafeConfig.top_k must be an integer >= 1, got {self.top_k!r}")
+        if not isinstance(self.consensus, (int, float)) or not 0 <= self.consensus <= 1:
+            raise ConfigError(f"SafeConfig.consensus must be in [0, 1], got {self.consensus!r}")
+        if self.sharpen not in SHARPEN_MODES:
+            raise ConfigError(f"SafeConfig.sharpen must be one of {SHARPEN_MODES}, got {self.sharpen!r}")
+        if not isinstance(self.sharpen_lambda, (int, float)) or not 0 <= self.sharpen_lambda < 1:
+            raise ConfigError(f"SafeConfig.sharpen_lambda must be in [0, 1), got {self.sharpen_lambda!r}")
+        check_weights(self.weights, None, "SafeConfig")
+
+
+class Safe(Method):
+    name = "safe"
+    config_class = SafeConfig
+    audit = False  # tests: at consensus skips, also record the unite argmax (costs time)
+
+    def check_members(self) -> None:
+        if len(self.members) < 2:
+            raise ConfigError(f"method 'safe' needs at least 2 members (a drafter and a verifier), got {len(self.members)}")
+        if self.config.drafter >= len(self.members):
+            raise ConfigError(f"SafeConfig.drafter={self.config.drafter} but there are {len(self.members)} members")
+        check_weights(self.config.weights, len(self.members), "SafeConfig")
+
+    def main_member(self) -> int:
+        return self.config.drafter
+
+    def run(self, req: Request) -> Iterator[str]:
+        cfg, members = self.config, self.members
+        d = cfg.drafter
+        order = [d] + [i for i in range(len(members)) if i != d]
+        weights = [(cfg.weights or [1.0] * len(members))[i] for i in order]
+        ordered = [members[i] for i in order]
+        drafter, didx = members[d], vocab_index(members[d])
+        dstate = drafter.prefill(req.prompt_ids[d])
+        views = [CanonicalView.start(members[i], req.prompt_ids[i]) for i in order[1:]]
+        st = req.stats
+        st.update(tokens_out=0, tokens_ensembled=0, skipped_oov=0, skipped_consensus=0, replacements=0, cycles=0)
+        self.trace: list[dict] = []
+        self.last = {"drafter": dstate, "views": views, "text": b""}
+        text, emit, budget = b"", Emitter(), req.max_new_tokens
+        finished = False
+        while not finished and st["tokens_out"] < budget:
+            st["cycles"] += 1
+            n = min(cfg.lookahead, budget - st["tokens_out"])
+            base = len(dstate.ids)
+            drafts: list[tuple[int, torch.Tensor]] = []
+            for j in range(n):  # 1. draft
+                row = dstate.next_logprobs
+                tok = pick_token(row, req.temperature, req.top_p, req.generator)
+                drafts.append((tok, row))
+                if tok in drafter.eos_ids:
+                    break
+                if st["tokens_out"] + j + 1 < budget:  # the budget's last token needs no forward
+                    drafter.extend(dstate, [tok])
+            keys = [didx.key_of(t) for t, _ in drafts]
+            starts, pos = [], len(text)
+            for k in keys:
+                starts.append(pos)
+                pos += 0 if k is EOS else len(k)
+            full = text + b"".join(k for k in keys if k is not EOS)
+            cut = valid_utf8_prefix(full)
+            for v in views:  # 2. verify: one forward per verifier
+                v.sync(full[:cut].decode("utf-8"), from_byte=min(len(text), cut))
+            replaced = None
+            for j, ((tok, row), key) in enumerate(zip(drafts, keys)):  # 3-5. check, maybe ensemble
+                b = starts[j]
+                end = b if key is EOS else b + len(key)
+                if end > cut or any(b not in v.rows for v in views):
+                    st["skipped_oov"] += 1
+                    self.trace.append({"byte": b, "reason": "oov"})
+                    continue
+                vrows = [v.rows[b] for v in views]
+                # Consensus needs the verifiers' own next tokens to be the drafter's token string:
+                # a verifier whose token spans further ("Orange" vs the drafter's "O") has not
+                # agreed, and skipping there is not lossless (found by the Theorem-1 test).
+                agree, aligned, p_own = True, True, [math.exp(float(row[tok]))]
+                for v, vrow in zip(views, vrows):
+                    vidx = vocab_index(v.member)
+                    if key is EOS:
+                        p_own.append(math.exp(vidx.logprob(vrow, EOS)))
+                        agree &= int(torch.argmax(vrow)) in v.member.eos_ids
+                    else:
+                        own = v.next_tok[b]
+                        aligned &= vidx.key_of(own) == key
+                        p_own.append(math.exp(float(vrow[own])))
+                        agree &= own == int(torch.argmax(vrow))
+                if aligned and (agree or sum(p_own) / len(p_own) > cfg.consensus):
+                    st["skipped_consensus"] += 1
+                    entry = {"byte": b, "reason": "consensus", "key": key}
+                    if self.audit:
+                        dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
+                        entry["unite_pick"] = dist.keys[int(torch.argmax(dist.probs))]
+                    self.trace.append(entry)
+                    continue
+                st["tokens_ensembled"] += 1
+                dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
+                probs = dist.probs
+                if float(probs.max()) < 0.5:
+                    probs = sharpen(dist, top_keys(drafter, row, cfg.top_k), cfg.sharpen, cfg.sharpen_lambda, weights)
+                choice = dist.keys[pick_token(torch.log(probs), req.temperature, req.top_p, req.generator)]
+                self.trace.append({"byte": b, "reason": "ensemble", "key": key, "choice": choice})
+                if choice != key:
+                    replaced = (j, choice)
+                    break
+            if replaced is None:
+                text = full
+                st["tokens_out"] += sum(1 for k in keys if k is not EOS)
+                finished = keys[-1] is EOS
+            else:
+                j, choice = replaced
+                st["replacements"] += 1
+                text = full[: starts[j]] + (b"" if choice is EOS else choice)
+                st["tokens_out"] += j + (0 if choice is EOS else 1)
+                drafter.crop(dstate, base + j)
+                finished = choice is EOS
+                if not finished and st["tokens_out"] < budget:
+                    drafter.extend(dstate, didx.ids_for(choice))
+            if finished:
+                req.finish_reason = "stop"
+            self.last["text"] = text
+            st["ensembled_fraction"] = st["tokens_ensembled"] / max(1, st["tokens_out"])
+            piece = emit.take(text)
+            if piece:
+                yield piece
+        tail = emit.take(text, final=True)
+        if tail:
+            yield tail

@@ -1,0 +1,114 @@
+"""`unite`: UniTE (Yao et al., ICLR 2025) — ensemble at EVERY generated token.
+
+Each step, every member gives its next-token distribution after its own tokenization of the
+shared text (the primary on its own token history, the others on their canonical tokenization,
+KV-cached, so a step costs about one forward per member); their top-k tokens are aligned by
+string, each member's softmax over the union is averaged with the member weights, and the
+argmax (or a sample) is appended. This is the baseline SAFE improves on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..errors import ConfigError
+from .align import EOS, CanonicalView, union_distribution, valid_utf8_prefix, vocab_index
+from .base import Method, Request
+from .sampling import pick_token
+
+
+def check_weights(weights, n: int | None, owner: str) -> None:
+    if weights is None:
+        return
+    if not isinstance(weights, (list, tuple)) or not weights or any(
+            not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"{owner}.weights must be a list of non-negative numbers with a positive sum, got {weights!r}")
+    if n is not None and len(weights) != n:
+        raise ConfigError(f"{owner}.weights has {len(weights)} entries for {n} members; give one per member.")
+
+
+@dataclass
+class UniteConfig:
+    top_k: int = 10
+    weights: list[float] | None = None  # one per member, default uniform
+    primary: int = 0  # the member whose tokens carry the text (and count the budget)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ConfigError(f"UniteConfig.top_k must be an integer >= 1, got {self.top_k!r}")
+        if not isinstance(self.primary, int) or self.primary < 0:
+            raise ConfigError(f"UniteConfig.primary must be a member index >= 0, got {self.primary!r}")
+        check_weights(self.weights, None, "UniteConfig")
+
+
+class Emitter:
+    """Releases the committed bytes as text, holding back an incomplete UTF-8 tail."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def take(self, data: bytes, final: bool = False) -> str:
+        cut = len(data) if final else valid_utf8_prefix(data)
+        out = data[self.sent:cut].decode("utf-8", errors="replace")
+        self.sent = max(self.sent, cut)
+        return out
+
+
+class Unite(Method):
+    name = "unite"
+    config_class = UniteConfig
+
+    def check_members(self) -> None:
+        if len(self.members) < 2:
+            raise ConfigError(f"method {self.name!r} needs at least 2 members, got {len(self.members)}")
+        if self.config.primary >= len(self.members):
+            raise ConfigError(f"UniteConfig.primary={self.config.primary} but there are {len(self.members)} members")
+        check_weights(self.config.weights, len(self.members), "UniteConfig")
+
+    def main_member(self) -> int:
+        return self.config.primary
+
+    def run(self, req: Request) -> Iterator[str]:
+        cfg, members = self.config, self.members
+        pi = cfg.primary
+        order = [pi] + [i for i in range(len(members)) if i != pi]
+        weights = [(cfg.weights or [1.0] * len(members))[i] for i in order]
+        prim = members[pi]
+        pidx = vocab_index(prim)
+        pstate = prim.prefill(req.prompt_ids[pi])
+        views = [CanonicalView.start(members[i], req.prompt_ids[i]) for i in order[1:]]
+        st = req.stats
+        st.update(tokens_out=0, tokens_ensembled=0, skipped_incomplete_utf8=0)
+        text, emit = b"", Emitter()
+        for step in range(req.max_new_tokens):
+            prow = pstate.next_logprobs
+            if valid_utf8_prefix(text) == len(text):
+                rows = [prow]
+                for v in views:
+                    v.sync(text.decode("utf-8"), from_byte=len(text))
+                    rows.append(v.rows[len(text)])
+                dist = union_distribution([members[i] for i in order], rows, weights, cfg.top_k)
+                key = dist.keys[pick_token(torch.log(dist.probs), req.temperature, req.top_p, req.generator)]
+                ids = None if key is EOS else pidx.ids_for(key)
+                st["tokens_ensembled"] += 1
+            else:  # inside a multi-byte character: the primary completes it alone
+                tok = pick_token(prow, req.temperature, req.top_p, req.generator)
+                key, ids = pidx.key_of(tok), [tok]
+                st["skipped_incomplete_utf8"] += 1
+            if key is EOS:
+                req.finish_reason = "stop"
+                break
+            text += key
+            st["tokens_out"] += 1
+            st["ensembled_fraction"] = st["tokens_ensembled"] / st["tokens_out"]
+            piece = emit.take(text)
+            if piece:
+                yield piece
+            if step + 1 < req.max_new_tokens:
+                prim.extend(pstate, ids)
+        tail = emit.take(text, final=True)
+        if tail:
+            yield tail

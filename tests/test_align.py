@@ -1,0 +1,138 @@
+"""Alignment by token string, the UniTE union, sharpening, OOV-like boundaries, canonical sync."""
+
+import math
+
+import pytest
+import torch
+
+from ensemble_llm.methods.align import (EOS, CanonicalView, UnionDist, sharpen, union_distribution,
+                                        valid_utf8_prefix, vocab_index)
+
+
+def test_keys_normalise_spellings_across_tokenizers(tiny_members):
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    s, g = vocab_index(smol), vocab_index(gemma)
+    assert s.key_of(smol.tokenizer.convert_tokens_to_ids("ĠParis")) == b" Paris"
+    assert g.key_of(gemma.tokenizer.convert_tokens_to_ids("▁Paris")) == b" Paris"
+    assert s.key_of(smol.tokenizer.convert_tokens_to_ids("Ċ")) == b"\n"
+    assert g.key_of(gemma.tokenizer.convert_tokens_to_ids("<0x0A>")) in (b"\n",)
+    assert s.key_of(sorted(smol.eos_ids)[0]) is EOS and g.key_of(sorted(gemma.eos_ids)[0]) is EOS
+
+
+def _row(member, probs: dict[str, float]) -> torch.Tensor:
+    """A log-prob row with the given probabilities on the given token strings, ~0 elsewhere."""
+    row = torch.full((member.vocab_size,), -60.0)
+    for piece, p in probs.items():
+        row[member.tokenizer.convert_tokens_to_ids(piece)] = math.log(p)
+    return row
+
+
+def test_union_distribution_against_hand_computed_numbers(tiny_members):
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    rs = _row(smol, {"ĠParis": 0.6, "ĠPar": 0.3})
+    rg = _row(gemma, {"▁Paris": 0.5, "▁London": 0.4})
+    d = union_distribution([smol, gemma], [rs, rg], [1.0, 1.0], k=2)
+    assert d.keys == [b" Paris", b" Par", b" London"]
+    # smol: softmax over {.6, .3, ~0} ; gemma: {.5, ~0 (its own " Par" token), .4}
+    want_s = torch.tensor([0.6, 0.3, 0.0]) / 0.9
+    want_g = torch.tensor([0.5, 0.0, 0.4]) / 0.9
+    assert torch.allclose(d.per_member[0], want_s, atol=1e-6)
+    assert torch.allclose(d.per_member[1], want_g, atol=1e-6)
+    assert torch.allclose(d.probs, (want_s + want_g) / 2, atol=1e-6)
+    w = union_distribution([smol, gemma], [rs, rg], [3.0, 1.0], k=2)
+    assert torch.allclose(w.probs, 0.75 * want_s + 0.25 * want_g, atol=1e-6)
+
+
+def test_missing_string_gets_first_subtoken_probability(tiny_members):
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    # " unbelievably" is one Gemma token; SmolLM2 has no such token and spells it "Ġunbelie"+"v"+"ably"
+    rg = _row(gemma, {"▁unbelievably": 0.9})
+    rs = _row(smol, {"Ġunbelie": 0.2, "Ġthe": 0.7})
+    d = union_distribution([smol, gemma], [rs, rg], [1.0, 1.0], k=1)
+    assert d.keys == [b" the", b" unbelievably"]
+    assert torch.allclose(d.per_member[0], torch.tensor([0.7, 0.2]) / 0.9, atol=1e-6)
+
+
+def test_heuristic_sharpening_hand_computed():
+    keys = [b"So", b"Sofia", b"Sof", b" ", EOS]
+    p = torch.tensor([0.3, 0.2, 0.1, 0.15, 0.25])
+    d = UnionDist(keys, p, torch.stack([p, p]))
+    out = sharpen(d, [b"So", b"Sof", b" "], "heuristic", 0.1, [1, 1])
+    # So (0.3 > 0.1) gains Sofia and Sof: 0.6; Sof (0.1, not > 0.1) unchanged; " " never gains; no renorm
+    assert torch.allclose(out, torch.tensor([0.6, 0.2, 0.1, 0.15, 0.25]))
+    out2 = sharpen(d, [b"Sof"], "heuristic", 0.05, [1, 1])
+    assert torch.allclose(out2, torch.tensor([0.3, 0.2, 0.1 + 0.2, 0.15, 0.25]))
+    assert torch.equal(sharpen(d, [b"So"], None, 0.1, [1, 1]), p)
+
+
+def test_geometric_sharpening_hand_computed():
+    per = torch.tensor([[0.5, 0.5], [0.9, 0.1]])
+    d = UnionDist([b"a", b"b"], per.mean(0), per)
+    out = sharpen(d, [b"a"], "geometric", 0.1, [1, 1])
+    a, b = math.sqrt(0.45), math.sqrt(0.05)
+    assert torch.allclose(out, torch.tensor([a / (a + b), b / (a + b)]), atol=1e-6)
+
+
+def test_valid_utf8_prefix():
+    data = "aé東".encode()
+    assert valid_utf8_prefix(data) == len(data)
+    assert valid_utf8_prefix(data[:-1]) == 3
+    assert valid_utf8_prefix(b"") == 0
+
+
+def _oov_flags(drafter, draft_ids, view):
+    """SAFE's check: drafter token j is OOV-like when its byte end is not a verifier boundary."""
+    text = b"".join(drafter.vocab_bytes[i] for i in draft_ids)
+    view.sync(text.decode("utf-8"))
+    ends, pos = [], 0
+    for i in draft_ids:
+        pos += len(drafter.vocab_bytes[i])
+        ends.append(pos)
+    return [e not in view.rows for e in ends]
+
+
+@pytest.mark.parametrize("text, want", [
+    ("Incorrect answers", [True, False, False]),  # In|correct vs Incorrect
+    ("Sofía went home", [True, False, False, False, False]),  # S|of|ía vs Sof|ía
+    ("東京タワー", [True, True, True, False, True, False, True, True, False]),  # byte pieces vs whole chars
+    ("I love 🙂 emoji", [False, False, False, True, False]),  # em|oji vs emoji
+    ("Hello world!", [False, False, False]),
+])
+def test_oov_like_detection_smollm2_drafter_gemma_verifier(tiny_members, text, want):
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    view = CanonicalView.start(gemma, gemma.prompt_ids("Q:"))
+    assert _oov_flags(smol, smol.encode(text), view) == want
+
+
+def test_right_context_changes_boundaries(tiny_members):
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    tok = smol.tokenizer.convert_tokens_to_ids
+    draft = [tok("Hello"), tok("Ġworld"), tok("wide")]  # a drafter may emit "world" then "wide"
+    view = CanonicalView.start(gemma, gemma.prompt_ids("Q:"))
+    # alone, " world" ends on a Gemma boundary; followed by "wide", Gemma reads "▁worldwide"
+    assert _oov_flags(smol, draft[:2], view) == [False, False]
+    assert _oov_flags(smol, draft, view) == [False, True, False]
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])
+def test_canonical_sync_equals_fresh_prefill(tiny_members, key):
+    m = tiny_members[key]
+    prompt = m.prompt_ids("Question: say hello")
+    view = CanonicalView.start(m, prompt)
+    for text in ["Hel", "Hello", "Hello wor", "Hello worldwide", "Hello world, Sofía"]:
+        view.sync(text, from_byte=0)
+        ids, ends = m.encode_with_offsets(text)
+        assert view.state.ids == prompt + ids
+        fresh = m.forward_batch([prompt + ids])[0]
+        assert torch.allclose(view.rows[0], fresh[len(prompt) - 1], atol=1e-4)
+        for i, e in enumerate(ends):
+            assert torch.allclose(view.rows[e], fresh[len(prompt) + i], atol=1e-4)
+        assert view.next_tok[0] == ids[0]
+
+
+def test_duplicate_spellings_resolve_to_the_canonical_token(tiny_members):
+    gemma = tiny_members["gemma"]
+    idx = vocab_index(gemma)
+    fallback = gemma.tokenizer.convert_tokens_to_ids("<0x2E>")
+    assert gemma.vocab_bytes[fallback] == b"."
+    assert idx.by_bytes[b"."] == gemma.encode(".")[0] != fallback

@@ -1,0 +1,98 @@
+"""`unite` and `safe` end to end: tiny models (fast) and the real bundled pair (marker `real`)."""
+
+import pytest
+import torch
+
+from ensemble_llm import ConfigError, DEFAULT_MODELS, Ensemble, SafeConfig
+from ensemble_llm.methods.align import EOS, CanonicalView
+
+
+@pytest.mark.parametrize("method", ["unite", "safe"])
+def test_runs_on_tiny_pair_and_streams_what_it_returns(tiny_dirs, method):
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method)
+    res = eng.generate("Hello there", max_new_tokens=12)
+    stream = eng.stream("Hello there", max_new_tokens=12)
+    assert "".join(stream) == res.text == stream.result.text
+    st = res.stats
+    assert 0 < st["tokens_out"] <= 12
+    assert st["members"][eng.members[1].name]["forward_passes"] >= 1
+    a = eng.generate("Hi", max_new_tokens=8, temperature=0.9, seed=3).text
+    assert a == eng.generate("Hi", max_new_tokens=8, temperature=0.9, seed=3).text
+
+
+def test_config_validation(tiny_dirs):
+    with pytest.raises(ConfigError, match="lookahead"):
+        SafeConfig(lookahead=0)
+    with pytest.raises(ConfigError, match="sharpen"):
+        SafeConfig(sharpen="cubic")
+    with pytest.raises(ConfigError, match="weights"):
+        Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe", config={"weights": [1, 2, 3]}).load()
+    with pytest.raises(ConfigError, match="at least 2 members"):
+        Ensemble([tiny_dirs["smol"]], method="safe").load()
+
+
+def test_safe_stats_add_up_on_tiny_pair(tiny_dirs):
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe", config={"lookahead": 4})
+    res = eng.generate("Tell me about the sea", max_new_tokens=20)
+    st = res.stats
+    trace = eng._method.trace
+    assert st["skipped_oov"] == sum(t["reason"] == "oov" for t in trace)
+    assert st["skipped_consensus"] == sum(t["reason"] == "consensus" for t in trace)
+    assert st["tokens_ensembled"] == sum(t["reason"] == "ensemble" for t in trace)
+    assert st["replacements"] == sum(t["reason"] == "ensemble" and t["choice"] != t["key"] for t in trace)
+    drafter, verifier = (st["members"][m.name]["forward_passes"] for m in eng.members)
+    assert verifier == st["cycles"] + 1  # prompt prefill + one pass per cycle
+    # one drafter forward per drafted token (dropped ones included) + one per replacement + prefill
+    assert st["tokens_out"] - st["replacements"] <= drafter <= 1 + 4 * st["cycles"] + st["replacements"]
+
+
+# ---- the real bundled pair -------------------------------------------------------------------
+
+PROMPTS = ["What is the capital of France?", "Name three colours.", "Sofía lives in Madrid. Where does she live?",
+           "Write one sentence about 東京."]
+
+
+@pytest.fixture(scope="module")
+def safe_pair(real_dirs):
+    eng = Ensemble(list(DEFAULT_MODELS), method="safe", config={"sharpen": None}).load()
+    eng._method.audit = True
+    return eng
+
+
+@pytest.mark.real
+def test_consensus_skips_are_lossless_theorem_1(safe_pair):
+    checked = 0
+    for p in PROMPTS:
+        safe_pair.generate(p, max_new_tokens=40)
+        for t in safe_pair._method.trace:
+            if t["reason"] == "consensus":
+                assert t["unite_pick"] == t["key"], (p, t)
+                checked += 1
+    assert checked >= 20
+
+
+@pytest.mark.real
+def test_rollback_leaves_every_cache_equal_to_a_fresh_prefill(safe_pair):
+    res = safe_pair.generate("Sofía lives in Madrid. Where does she live?", max_new_tokens=40)
+    assert res.stats["replacements"] >= 1  # the test must exercise a rollback
+    last = safe_pair._method.last
+    drafter, dstate = safe_pair.members[0], last["drafter"]
+    fresh = drafter.prefill(dstate.ids)
+    for a, b in zip(dstate.cache.layers, fresh.cache.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+    for view in last["views"]:
+        view.sync(last["text"].decode("utf-8"))
+        m = view.member
+        fresh = m.prefill(view.state.ids)
+        assert view.state.ids[view.prompt_len:] == m.encode(last["text"].decode("utf-8"))
+        for a, b in zip(view.state.cache.layers, fresh.cache.layers):
+            assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["safe", "unite"])
+def test_real_pair_gives_well_formed_text(real_dirs, method):
+    eng = Ensemble(list(DEFAULT_MODELS), method=method)
+    res = eng.generate("What is the capital of France?", max_new_tokens=24)
+    assert "Paris" in res.text and "\ufffd" not in res.text and "<|im_end|>" not in res.text
+    assert res.stats["tokens_ensembled"] >= 1
