@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from .align import EOS, CanonicalView, sharpen, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
 from .sampling import pick_token
-from .unite import Emitter, check_weights
+from .unite import Emitter, check_ensemble_members, check_weights
 
 SHARPEN_MODES = ("heuristic", "geometric", None)
 
@@ -68,11 +68,8 @@ class Safe(Method):
     audit = False  # tests: at consensus skips, also record the unite argmax (costs time)
 
     def check_members(self) -> None:
-        if len(self.members) < 2:
-            raise ConfigError(f"method 'safe' needs at least 2 members (a drafter and a verifier), got {len(self.members)}")
-        if self.config.drafter >= len(self.members):
-            raise ConfigError(f"SafeConfig.drafter={self.config.drafter} but there are {len(self.members)} members")
-        check_weights(self.config.weights, len(self.members), "SafeConfig")
+        check_ensemble_members(self.name, self.members, self.config.drafter, "SafeConfig.drafter",
+                               self.config.weights)
 
     def main_member(self) -> int:
         return self.config.drafter

@@ -30,6 +30,16 @@ def check_weights(weights, n: int | None, owner: str) -> None:
         raise ConfigError(f"{owner}.weights has {len(weights)} entries for {n} members; give one per member.")
 
 
+def check_ensemble_members(method: str, members: list, index: int, field: str, weights) -> None:
+    """Shared member checks of the ensembling methods: >= 2 members, a valid main index, weights."""
+    owner = field.split(".")[0]
+    if len(members) < 2:
+        raise ConfigError(f"method {method!r} needs at least 2 members, got {len(members)}")
+    if index >= len(members):
+        raise ConfigError(f"{field}={index} but there are {len(members)} members")
+    check_weights(weights, len(members), owner)
+
+
 @dataclass
 class UniteConfig:
     top_k: int = 10
@@ -62,11 +72,8 @@ class Unite(Method):
     config_class = UniteConfig
 
     def check_members(self) -> None:
-        if len(self.members) < 2:
-            raise ConfigError(f"method {self.name!r} needs at least 2 members, got {len(self.members)}")
-        if self.config.primary >= len(self.members):
-            raise ConfigError(f"UniteConfig.primary={self.config.primary} but there are {len(self.members)} members")
-        check_weights(self.config.weights, len(self.members), "UniteConfig")
+        check_ensemble_members(self.name, self.members, self.config.primary, "UniteConfig.primary",
+                               self.config.weights)
 
     def main_member(self) -> int:
         return self.config.primary
