@@ -14,7 +14,6 @@ import json
 import os
 import re
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

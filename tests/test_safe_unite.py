@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ensemble_llm import ConfigError, DEFAULT_MODELS, Ensemble, SafeConfig
-from ensemble_llm.methods.align import EOS, CanonicalView
+
 
 
 @pytest.mark.parametrize("method", ["unite", "safe"])

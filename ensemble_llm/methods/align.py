@@ -98,9 +98,8 @@ def vocab_index(member: Member) -> VocabIndex:
     return idx
 
 
-def top_keys(member: Member, row: torch.Tensor, k: int, complete_only: bool = False) -> list[Key]:
-    """The member's k most likely next tokens as keys (special tokens other than EOS skipped;
-    with complete_only, byte fragments that are not valid UTF-8 on their own are skipped too)."""
+def top_keys(member: Member, row: torch.Tensor, k: int) -> list[Key]:
+    """The member's k most likely next tokens as keys (special tokens other than EOS skipped)."""
     idx = vocab_index(member)
     _, ids = torch.topk(row, min(len(row), 4 * k + 8))
     out: list[Key] = []
@@ -108,11 +107,6 @@ def top_keys(member: Member, row: torch.Tensor, k: int, complete_only: bool = Fa
         key = idx.key_of(t)
         if key is not EOS and (t in member.special_ids or not key):
             continue
-        if complete_only and key is not EOS:
-            try:
-                key.decode("utf-8")
-            except UnicodeDecodeError:
-                continue
         if key not in out:
             out.append(key)
         if len(out) == k:
@@ -131,12 +125,12 @@ class UnionDist:
 
 
 def union_distribution(members: Sequence[Member], rows: Sequence[torch.Tensor], weights: Sequence[float],
-                       k: int, complete_only: bool = False) -> UnionDist:
+                       k: int) -> UnionDist:
     """UniTE: union of every member's top-k keys; each member's logits on the union (a key it
     lacks gets its first sub-token's logit), softmax per member, weighted average."""
     keys: list[Key] = []
     for m, row in zip(members, rows):
-        for key in top_keys(m, row, k, complete_only):
+        for key in top_keys(m, row, k):
             if key not in keys:
                 keys.append(key)
     logits = torch.tensor([[vocab_index(m).logprob(row, key) for key in keys] for m, row in zip(members, rows)])
@@ -191,11 +185,11 @@ class CanonicalView:
     state: KVState
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # byte boundary -> log p(next)
     next_tok: dict[int, int] = field(default_factory=dict)  # byte boundary -> its own next token
-    ends: list[int] = field(default_factory=list)
 
     @classmethod
     def start(cls, member: Member, prompt_ids: list[int]) -> "CanonicalView":
         return cls(member, len(prompt_ids), member.prefill(prompt_ids))
+
 
     def sync(self, text: str, from_byte: int = 0) -> None:
         """Re-tokenize `text` (the whole generated text), keep the cached common prefix, and run
@@ -214,7 +208,6 @@ class CanonicalView:
         keep = min(lcp, first)
         m.crop(self.state, keep)
         logp = m.extend(self.state, full[keep:])
-        self.ends = ends
         self.rows, self.next_tok = {}, {}
         for a in range(keep, len(full)):
             end = 0 if a == p - 1 else ends[a - p]
@@ -222,3 +215,13 @@ class CanonicalView:
                 self.rows[end] = logp[a - keep]
         for i, tok in enumerate(ids):
             self.next_tok[0 if i == 0 else ends[i - 1]] = tok
+
+
+def start_members(members: Sequence[Member], main: int, weights: Sequence[float] | None,
+                  prompt_ids: Sequence[list[int]]) -> tuple[list[Member], list[float], KVState, list["CanonicalView"]]:
+    """Prefill every member for a request: the main member (drafter / primary) first, on its own
+    token history; the others as canonical views. Returns the members and weights in that order."""
+    order = [main] + [i for i in range(len(members)) if i != main]
+    w = list(weights or [1.0] * len(members))
+    views = [CanonicalView.start(members[i], prompt_ids[i]) for i in order[1:]]
+    return [members[i] for i in order], [w[i] for i in order], members[main].prefill(prompt_ids[main]), views

@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from ..errors import ConfigError
-from .align import EOS, CanonicalView, sharpen, top_keys, union_distribution, valid_utf8_prefix, vocab_index
+from .align import EOS, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
 from .sampling import pick_token
 from .unite import Emitter, check_ensemble_members, check_weights
@@ -76,13 +76,8 @@ class Safe(Method):
 
     def run(self, req: Request) -> Iterator[str]:
         cfg, members = self.config, self.members
-        d = cfg.drafter
-        order = [d] + [i for i in range(len(members)) if i != d]
-        weights = [(cfg.weights or [1.0] * len(members))[i] for i in order]
-        ordered = [members[i] for i in order]
-        drafter, didx = members[d], vocab_index(members[d])
-        dstate = drafter.prefill(req.prompt_ids[d])
-        views = [CanonicalView.start(members[i], req.prompt_ids[i]) for i in order[1:]]
+        ordered, weights, dstate, views = start_members(members, cfg.drafter, cfg.weights, req.prompt_ids)
+        drafter, didx = ordered[0], vocab_index(ordered[0])
         st = req.stats
         st.update(tokens_out=0, tokens_ensembled=0, skipped_oov=0, skipped_consensus=0, replacements=0, cycles=0)
         self.trace: list[dict] = []

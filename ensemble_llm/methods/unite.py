@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from ..errors import ConfigError
-from .align import EOS, CanonicalView, union_distribution, valid_utf8_prefix, vocab_index
+from .align import EOS, start_members, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
 from .sampling import pick_token
 
@@ -80,13 +80,9 @@ class Unite(Method):
 
     def run(self, req: Request) -> Iterator[str]:
         cfg, members = self.config, self.members
-        pi = cfg.primary
-        order = [pi] + [i for i in range(len(members)) if i != pi]
-        weights = [(cfg.weights or [1.0] * len(members))[i] for i in order]
-        prim = members[pi]
+        ordered, weights, pstate, views = start_members(members, cfg.primary, cfg.weights, req.prompt_ids)
+        prim = ordered[0]
         pidx = vocab_index(prim)
-        pstate = prim.prefill(req.prompt_ids[pi])
-        views = [CanonicalView.start(members[i], req.prompt_ids[i]) for i in order[1:]]
         st = req.stats
         st.update(tokens_out=0, tokens_ensembled=0, skipped_incomplete_utf8=0)
         text, emit = b"", Emitter()
@@ -97,7 +93,7 @@ class Unite(Method):
                 for v in views:
                     v.sync(text.decode("utf-8"), from_byte=len(text))
                     rows.append(v.rows[len(text)])
-                dist = union_distribution([members[i] for i in order], rows, weights, cfg.top_k)
+                dist = union_distribution(ordered, rows, weights, cfg.top_k)
                 key = dist.keys[pick_token(torch.log(dist.probs), req.temperature, req.top_p, req.generator)]
                 ids = None if key is EOS else pidx.ids_for(key)
                 st["tokens_ensembled"] += 1
