@@ -34,13 +34,30 @@ PROMPTS = [
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bigbench" / "qa_wikidata_dev.jsonl"
 
 
-def corrupted(text: str) -> bool:
-    """U+FFFD, or runaway repetition (one 4-word run repeated 4 times or more)."""
-    if "\ufffd" in text:
-        return True
+try:  # benchmark extra: pip install -e ".[bench]"
+    from wordfreq import zipf_frequency
+except ImportError:  # pragma: no cover
+    zipf_frequency = None
+
+
+def corruption(text: str, prompt: str) -> dict[str, bool]:
+    """Kinds of tokenization corruption in one output.
+
+    fffd: a U+FFFD replacement character (bytes that are not UTF-8).
+    broken_word: an alphabetic word of 3+ letters that is not an English word (wordfreq knows
+    no frequency for it) and is not in the prompt, like "capitalital" or "Pa ris"'s "ris": the
+    mark of a stray sub-word fragment glued to or split from a word. Names the models invent
+    also count, so compare against `single`, which has no cross-tokenizer fragments.
+    repetition: one 4-word run repeated 4 times or more.
+    """
     words = text.split()
     grams = [" ".join(words[i:i + 4]) for i in range(len(words) - 3)]
-    return any(grams.count(g) >= 4 for g in set(grams))
+    out = {"fffd": "\ufffd" in text, "repetition": any(grams.count(g) >= 4 for g in set(grams))}
+    if zipf_frequency is not None:
+        seen = set(re.findall(r"[A-Za-z]+", prompt.lower()))
+        out["broken_word"] = any(zipf_frequency(w, "en") == 0 and w.lower() not in seen
+                                 for w in re.findall(r"(?<![A-Za-z'])[A-Za-z]{3,}(?![A-Za-z'])", text))
+    return out
 
 
 def norm(s: str) -> str:
@@ -62,8 +79,12 @@ def main() -> None:
     for e in engines.values():
         e.load()
     engines["single-gemma"] = Ensemble(list(DEFAULT_MODELS), method="single", config={"member": 1}).load()
+    for e in engines.values():  # warm-up: first-call costs (allocator, kernels) stay out of the timings
+        e.generate("Hello, who are you?", max_new_tokens=8)
     drafter, verifier = (m.name for m in engines["safe"].members)
-    speed = {k: {"time": 0.0, "tokens": 0, "ttfc": [], "corrupted": 0, "ensembled": 0, "d_pass": 0,
+    kinds = ("fffd", "broken_word", "repetition") if zipf_frequency else ("fffd", "repetition")
+    speed = {k: {"time": 0.0, "tokens": 0, "ttfc": [], "corrupted": 0, "kinds": dict.fromkeys(kinds, 0),
+                 "examples": [], "ensembled": 0, "replacements": 0, "cycles": 0, "d_pass": 0,
                  "d_time": 0.0, "v_pass": 0, "v_time": 0.0} for k in ("single", "safe", "unite")}
     for p in PROMPTS[: args.prompts]:
         for name in ("single", "safe", "unite"):  # interleaved: machine noise hits all alike
@@ -72,8 +93,15 @@ def main() -> None:
             s["time"] += r.stats["time_s"]
             s["tokens"] += r.stats["tokens_out"]
             s["ttfc"].append(r.stats["time_to_first_chunk_s"] or r.stats["time_s"])
-            s["corrupted"] += corrupted(r.text)
+            bad = corruption(r.text, p)
+            s["corrupted"] += any(bad.values())
+            for kind, hit in bad.items():
+                s["kinds"][kind] += hit
+            if any(bad.values()):
+                s["examples"].append({"prompt": p, "kinds": [k for k, v in bad.items() if v], "text": r.text})
             s["ensembled"] += r.stats.get("tokens_ensembled", 0)
+            s["replacements"] += r.stats.get("replacements", 0)
+            s["cycles"] += r.stats.get("cycles", 0)
             s["d_pass"] += r.stats["members"][drafter]["forward_passes"]
             s["d_time"] += r.stats["members"][drafter]["forward_time_s"]
             s["v_pass"] += r.stats["members"][verifier]["forward_passes"]
@@ -105,7 +133,13 @@ def main() -> None:
         "ratio_unite_over_single": per_tok["unite"] / per_tok["single"],
         "ensembled_fraction": {k: speed[k]["ensembled"] / max(1, speed[k]["tokens"]) for k in ("safe", "unite")},
         "time_to_first_chunk_s": {k: statistics.median(v["ttfc"]) for k, v in speed.items()},
+        "forward_passes_per_token": {k: {"drafter": v["d_pass"] / max(1, v["tokens"]),
+                                         "verifier": v["v_pass"] / max(1, v["tokens"])} for k, v in speed.items()},
+        "safe_cycles": sf["cycles"], "safe_replacements": sf["replacements"],
+        "safe_tokens_per_cycle": sf["tokens"] / max(1, sf["cycles"]),
         "corrupted_outputs": {k: v["corrupted"] for k, v in speed.items()},
+        "corruption_kinds": {k: v["kinds"] for k, v in speed.items()},
+        "corrupted_examples": {k: v["examples"] for k, v in speed.items()},
         "qa_wikidata": {"examples": n_qa, "accuracy": {k: v / n_qa for k, v in acc.items()}},
     }
     out = Path(args.out)
@@ -120,6 +154,12 @@ def main() -> None:
         md[-1] += (f"{result['ensembled_fraction'].get(k, 0):.1%} | {speed[k]['corrupted']} | "
                    f"{result['time_to_first_chunk_s'][k]:.2f} | {acc['single' if k == 'single' else k] / n_qa:.1%} |")
     md.append(f"| single (Gemma-3) | - | - | - | - | - | - | {acc['single-gemma'] / n_qa:.1%} |")
+    md += ["", "Corrupted outputs by kind (an output can have several): " + "; ".join(
+        f"{k}: " + ", ".join(f"{kind} {n}" for kind, n in speed[k]["kinds"].items()) for k in ("single", "unite", "safe"))
+        + ". broken_word = a 3+ letter word unknown to wordfreq and absent from the prompt (see corruption()).",
+        "", f"safe: {sf['cycles']} cycles, {sf['replacements']} replacements, "
+        f"{result['safe_tokens_per_cycle']:.2f} tokens per cycle; forward passes per output token: drafter "
+        f"{result['forward_passes_per_token']['safe']['drafter']:.2f}, verifier {result['forward_passes_per_token']['safe']['verifier']:.2f}."]
     md += ["", f"qa_wikidata: first {n_qa} examples after 3 shots, exact match (case-insensitive, trailing period ignored)."]
     (out / "safe.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -4,7 +4,8 @@ Core package; imports neither LangChain nor LlamaIndex (the facades live in `int
 """
 
 from .engine import Ensemble, GenerationResult, TextStream, AsyncTextStream, Usage
-from .errors import ChecksumError, ConfigError, EnsembleError, GenerationError, ModelNotFoundError, RequestError
+from .errors import (ChecksumError, ConfigError, EnsembleError, GenerationError, ModelNotFoundError, RequestError,
+                     RequestTimeout)
 from .members import BUNDLED, DEFAULT_MODELS, Member
 from .methods import METHODS, SafeConfig, SingleConfig, UniteConfig
 
@@ -13,5 +14,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncTextStream", "BUNDLED", "ChecksumError", "ConfigError", "DEFAULT_MODELS", "Ensemble", "EnsembleError",
     "GenerationError", "GenerationResult", "METHODS", "Member", "ModelNotFoundError", "RequestError",
-    "SafeConfig", "SingleConfig", "TextStream", "UniteConfig", "Usage",
+    "RequestTimeout", "SafeConfig", "SingleConfig", "TextStream", "UniteConfig", "Usage",
 ]

@@ -9,6 +9,7 @@ and leaves the engine usable.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import threading
@@ -18,12 +19,17 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 
-from .errors import ConfigError, EnsembleError, GenerationError, RequestError
+from .chat import (ToolCall, ToolTextFilter, call_key, check_tool_choice, check_tools, guided_call, history_calls,
+                   member_messages)
+from .errors import ConfigError, EnsembleError, GenerationError, RequestError, RequestTimeout
 from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolve_dtype, resolve_source
+from .members.loader import local_dir
 from .methods import Request, get_method
 from .stopping import StopMatcher
 
 ROLES = ("system", "user", "assistant", "tool")
+_SHARED: dict[tuple, "Ensemble"] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -42,12 +48,14 @@ class Usage:
 
 @dataclass
 class GenerationResult:
-    text: str
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    text: str  # the reply's content (tool-call markup removed when tools were given)
+    finish_reason: str  # "stop" (EOS or stop string), "length" or "tool_calls"
     usage: Usage
     stats: dict[str, Any] = field(default_factory=dict)
     method: str = ""
     models: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    raw_text: str = ""  # everything generated, tool-call markup included
 
 
 @dataclass
@@ -55,11 +63,13 @@ class _Params:
     prompt: str | list[dict]
     raw: bool
     tools: list[dict] | None
+    tool_choice: str
     max_new_tokens: int
     temperature: float
     top_p: float
     seed: int | None
     stop: list[str]
+    timeout: float | None
 
 
 class TextStream:
@@ -115,13 +125,14 @@ class Ensemble:
 
     members: bundled names, local folders, local .gguf files or cached hub ids (default: the
         bundled SmolLM2-135M-Instruct + Gemma-3-270M pair; the first member drafts).
-    method: "single" (more as they land); config: the method's config dataclass or a dict.
+    method: "single", "unite", "safe" (default: "safe" for two or more members, else "single");
+        config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype / name.
     Weights load on first use (or `load()`), once per process for the same model and device.
     """
 
-    def __init__(self, members: Sequence[str] | None = None, method: str = "single", config: Any = None, *,
+    def __init__(self, members: Sequence[str] | None = None, method: str | None = None, config: Any = None, *,
                  device: Any = "auto", dtype: Any = "auto", cache_dir: str | os.PathLike | None = None,
                  trust_remote_code: bool = False, progress: bool = True) -> None:
         if members is None:
@@ -137,6 +148,8 @@ class Ensemble:
             raise ConfigError(f"device lists {len(devices)} entries for {len(members)} members; give one per member.")
         self.devices = [resolve_device(d) for d in devices]
         self.dtypes = [resolve_dtype(dtype, d) for d in self.devices]
+        if method is None:
+            method = "safe" if len(members) > 1 else "single"
         if not isinstance(method, str):
             raise ConfigError(f"method must be a method name (str), got {method!r}")
         self.method_name = method
@@ -151,6 +164,18 @@ class Ensemble:
         self._jobs: "queue.Queue" = queue.Queue()
         self._worker: threading.Thread | None = None
         self._worker_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, members: Sequence[str] | None = None, method: str | None = None, config: Any = None,
+               **kw) -> "Ensemble":
+        """The process-wide engine for these arguments: built once, then returned again, so many
+        framework objects (LangChain and LlamaIndex facades alike) share loaded models and one
+        request queue. Arguments are validated exactly as by the constructor."""
+        eng = cls(members, method, config, **kw)
+        key = (tuple(s.ref for s in eng.sources), eng.method_name, repr(eng.config), tuple(map(str, eng.devices)),
+               tuple(map(str, eng.dtypes)), str(eng.cache_dir), eng.trust_remote_code)
+        with _SHARED_LOCK:
+            return _SHARED.setdefault(key, eng)
 
     # ---- loading -------------------------------------------------------------------------
     @property
@@ -175,13 +200,31 @@ class Ensemble:
                 self._members, self._method = members, method
         return self
 
+    @property
+    def context_window(self) -> int:
+        """The smallest member's context window, read from the model configs (no weights load)."""
+        if self._members is not None:
+            return min(m.context_window for m in self._members)
+        from transformers import AutoConfig
+
+        sizes = []
+        for s in self.sources:
+            path = local_dir(s, self.cache_dir, progress=self.progress)
+            cfg = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
+            cfg = cfg.get_text_config(decoder=True)
+            sizes.append(int(getattr(cfg, "max_position_embeddings", None) or 2048))
+        return min(sizes)
+
     def __repr__(self) -> str:
         return f"Ensemble(members={self.model_names}, method={self.method_name!r})"
 
     # ---- public API ----------------------------------------------------------------------
     def generate(self, prompt, **kw) -> GenerationResult:
         """Run one request to the end. kw: max_new_tokens=128, temperature=0.0, top_p=1.0,
-        seed=None, stop=None, raw=False (prompt text used as is, no chat template), tools=None."""
+        seed=None, stop=None, raw=False (prompt text used as is, no chat template), tools=None
+        (OpenAI-format tool specs), tool_choice=None ("auto", "none", "any"/"required", a tool name).
+        With tools, `result.tool_calls` holds the parsed calls and `result.text` the rest.
+        timeout=None: seconds after which the request is stopped with RequestTimeout."""
         stream = self.stream(prompt, **kw)
         for _ in stream:
             pass
@@ -222,7 +265,8 @@ class Ensemble:
     @staticmethod
     def _check(prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop: str | Sequence[str] | None = None, raw: bool = False,
-               tools: list[dict] | None = None) -> _Params:
+               tools: list[dict] | None = None, tool_choice: Any = None,
+               timeout: float | None = None) -> _Params:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("the prompt is empty; pass a non-empty string or a list of messages.")
@@ -245,11 +289,17 @@ class Ensemble:
             raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise RequestError(f"seed must be an integer or None, got {seed!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise RequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        tools = check_tools(tools)
+        tool_choice = check_tool_choice(tool_choice, tools)
+        if tools and raw:
+            raise RequestError("tools need a chat prompt (a string or messages) with raw=False.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) for s in stops):
             raise RequestError(f"stop must be a string or a list of strings, got {stop!r}")
-        return _Params(prompt, bool(raw), tools, max_new_tokens, float(temperature), float(top_p), seed,
-                       [s for s in stops if s])
+        return _Params(prompt, bool(raw), tools, tool_choice, max_new_tokens, float(temperature), float(top_p), seed,
+                       [s for s in stops if s], None if timeout is None else float(timeout))
 
     # ---- the worker ----------------------------------------------------------------------
     def _submit(self, params: _Params, sink: Callable, cancel: threading.Event) -> None:
@@ -274,64 +324,116 @@ class Ensemble:
                 err.__cause__ = exc
                 sink("error", err)
 
-    def _prompts(self, params: _Params, members: list[Member]) -> tuple[list[list[int]], list[str]]:
-        ids, stops = [], list(params.stop)
+    def _prompts(self, params: _Params, members: list[Member]) -> tuple[list[str], list[str]]:
+        """Each member's prompt text (its own chat template or plain transcript) and the stops."""
+        texts, stops = [], list(params.stop)
         for m in members:
             if params.raw:
-                text = params.prompt
-            else:
-                msgs = [{"role": "user", "content": params.prompt}] if isinstance(params.prompt, str) else params.prompt
-                text = m.render_chat(msgs, tools=params.tools)
-                stops += [s for s in m.chat_stop_strings if s not in stops]
-            ids.append(m.prompt_ids(text))
-        return ids, stops
+                texts.append(params.prompt)
+                continue
+            msgs = [{"role": "user", "content": params.prompt}] if isinstance(params.prompt, str) else params.prompt
+            msgs, tools = member_messages(m, msgs, params.tools, params.tool_choice)
+            texts.append(m.render_chat(msgs, tools=tools))
+            stops += [s for s in m.chat_stop_strings if s not in stops]
+        return texts, stops
 
     def _execute(self, params: _Params, emit: Callable[[str], None], cancel: threading.Event) -> GenerationResult:
         t0 = time.perf_counter()
-        members = self.members
-        method = self._method
-        prompt_ids, stops = self._prompts(params, members)
-        room = []
-        for m, ids in zip(members, prompt_ids):
-            if len(ids) >= m.context_window:
-                raise RequestError(
-                    f"the prompt is {len(ids)} tokens for {m.name}, whose context window is {m.context_window}; "
-                    "shorten the prompt or drop that member.")
-            room.append(m.context_window - len(ids))
-        budget = min(params.max_new_tokens, *room)
+        members, method = self.members, self._method
+        texts, stops = self._prompts(params, members)
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        req = Request(prompt_ids, budget, params.temperature, params.top_p, generator)
         before = [(m.n_forward, m.forward_time) for m in members]
-        matcher = StopMatcher(stops)
-        pieces: list[str] = []
         first_chunk = None
-        gen = method.run(req)
-        try:
-            for piece in gen:
-                out = matcher.feed(piece)
-                if out:
-                    pieces.append(out)
-                    if first_chunk is None:
-                        first_chunk = time.perf_counter() - t0
-                    emit(out)
-                if matcher.stopped or cancel.is_set():
-                    req.finish_reason = "stop"
-                    break
-        finally:
-            gen.close()
-        tail = matcher.flush()
-        if tail:
-            pieces.append(tail)
-            emit(tail)
-        text = "".join(pieces)
+
+        def send(out: str) -> None:
+            nonlocal first_chunk
+            if out:
+                if first_chunk is None:
+                    first_chunk = time.perf_counter() - t0
+                emit(out)
+
+        def run(reply: str, stops: list[str], max_new: int, on_text: Callable[[str], str]) -> tuple[Request, bool]:
+            """One method run continuing `reply` after each member's prompt; text goes to on_text
+            through the stop matcher. Returns the request and whether a stop string ended it."""
+            prompt_ids = [m.prompt_ids(t + reply) for m, t in zip(members, texts)]
+            room = []
+            for m, ids in zip(members, prompt_ids):
+                if len(ids) >= m.context_window:
+                    raise RequestError(
+                        f"the prompt is {len(ids)} tokens for {m.name}, whose context window is {m.context_window}; "
+                        "shorten the prompt or drop that member.")
+                room.append(m.context_window - len(ids))
+            req = Request(prompt_ids, min(max_new, *room), params.temperature, params.top_p, generator)
+            matcher = StopMatcher(stops)
+            gen = method.run(req)
+            try:
+                for piece in gen:
+                    if params.timeout is not None and time.perf_counter() - t0 > params.timeout:
+                        raise RequestTimeout(f"generation took longer than timeout={params.timeout:g} s; raise the "
+                                             "timeout or lower max_new_tokens.")
+                    on_text(matcher.feed(piece))
+                    if matcher.stopped or cancel.is_set():
+                        req.finish_reason = "stop"
+                        break
+            finally:
+                gen.close()
+            on_text(matcher.flush())
+            return req, matcher.stopped
+
+        tools = params.tools
+        # holds back tool-call markup and passes content through; with tool_choice "none" a call
+        # the model writes anyway (imitating its history) is cut from the content, not returned
+        calls_out = ToolTextFilter(tools)
+        stats: dict[str, Any] = {}
+        if tools and params.tool_choice not in ("auto", "none"):  # a call is required: write it field by field
+            left = [params.max_new_tokens]
+            runs = []
+
+            def fill(reply: str, value_stops: list[str], max_new: int) -> str:
+                if left[0] <= 0 or cancel.is_set():
+                    return ""
+                got: list[str] = []
+                req, _ = run(reply, value_stops + stops, min(max_new, left[0]), lambda t: got.append(t) or t)
+                left[0] -= req.stats.get("tokens_out", 0)
+                runs.append(req)
+                return "".join(got)
+
+            send(calls_out.feed(guided_call(tools, params.tool_choice, fill)))
+            finish = "length" if left[0] <= 0 else "stop"
+            stats = {"guided_runs": len(runs), "tokens_out": sum(r.stats.get("tokens_out", 0) for r in runs)}
+            for key in ("tokens_ensembled", "skipped_oov", "skipped_consensus", "replacements", "cycles"):
+                if any(key in r.stats for r in runs):
+                    stats[key] = sum(r.stats.get(key, 0) for r in runs)
+        else:
+            req, _ = run("", stops, params.max_new_tokens, lambda t: send(calls_out.feed(t)) or t)
+            finish, stats = req.finish_reason, dict(req.stats)
+        tail, text, calls = calls_out.finish()
+        send(tail)
+        if calls and params.tool_choice == "none":
+            stats["ignored_tool_calls"], calls = len(calls), []
+        if calls and params.tool_choice == "auto":
+            # Small models imitate their history: after a tool has answered they tend to write
+            # the same call again, and an agent would loop on it. A call identical to one the
+            # conversation already made is dropped (counted in stats); the reply's text stays.
+            seen = history_calls(params.prompt)
+            fresh = [c for c in calls if call_key(c.name, c.arguments) not in seen]
+            if len(fresh) < len(calls):
+                stats["repeated_tool_calls_dropped"], calls = len(calls) - len(fresh), fresh
+                if not calls and not text.strip():  # nothing left to say: answer again without tools
+                    retry = self._execute(dataclasses.replace(params, tool_choice="none"), emit, cancel)
+                    retry.stats["answered_without_tools_after_repeated_call"] = True
+                    return retry
+        if calls:
+            finish = "tool_calls"
+        raw_text = calls_out.text
         main = method.main_member()
-        usage = Usage(len(prompt_ids[main]), len(members[main].encode(text)) if text else 0)
-        stats = dict(req.stats)
+        usage = Usage(len(members[main].prompt_ids(texts[main])),
+                      len(members[main].encode(raw_text)) if raw_text else 0)
         stats["members"] = {
             m.name: {"forward_passes": m.n_forward - n0, "forward_time_s": round(m.forward_time - t0_, 4)}
             for m, (n0, t0_) in zip(members, before)
         }
         stats["time_s"] = round(time.perf_counter() - t0, 4)
         stats["time_to_first_chunk_s"] = None if first_chunk is None else round(first_chunk, 4)
-        return GenerationResult(text, req.finish_reason, usage, stats, self.method_name, self.model_names)
+        return GenerationResult(text, finish, usage, stats, self.method_name, self.model_names, calls, raw_text)

@@ -25,3 +25,7 @@ class RequestError(EnsembleError, ValueError):
 
 class GenerationError(EnsembleError, RuntimeError):
     """A failure inside generation; the engine stays usable after it."""
+
+
+class RequestTimeout(EnsembleError, TimeoutError):
+    """A request that ran past its `timeout`; the engine stays usable after it."""

@@ -189,11 +189,11 @@ async def test_failure_inside_generation_raises_in_caller_and_engine_survives(ti
     real_extend = type(m).extend
     calls = {"n": 0}
 
-    def flaky(self, state, ids):
+    def flaky(self, state, ids, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated device failure")
-        return real_extend(self, state, ids)
+        return real_extend(self, state, ids, **kw)
 
     monkeypatch.setattr(type(m), "extend", flaky)
     with pytest.raises(GenerationError, match="simulated device failure"):

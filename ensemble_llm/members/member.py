@@ -145,13 +145,15 @@ class Member:
         # model's masks, and a full layer can be rolled back to any length (a sliding layer cannot).
         return KVState(cache=DynamicCache())
 
-    def extend(self, state: KVState, ids: Sequence[int]) -> torch.Tensor:
+    def extend(self, state: KVState, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         """Append `ids` to the cache in one forward; log-probs [len(ids), V] (row i predicts the
-        token after ids[i])."""
+        token after ids[i]), or only the last row [1, V] with `last_only` (prompts: with Gemma's
+        262k vocabulary, every position's logits would cost 1 MB and a full lm_head product)."""
         if not ids:
             raise ValueError("extend() needs at least one token id")
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        logits = self._forward(input_ids=x, cache=state.cache, use_cache=True)[0]
+        keep = {"logits_to_keep": 1} if last_only else {}
+        logits = self._forward(input_ids=x, cache=state.cache, use_cache=True, **keep)[0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         state.ids.extend(int(i) for i in ids)
         state.next_logprobs = logp[-1]
@@ -160,7 +162,7 @@ class Member:
     def prefill(self, ids: Sequence[int]) -> KVState:
         """A new state holding `ids` (the prompt); its next_logprobs is ready."""
         state = self.new_state()
-        self.extend(state, ids)
+        self.extend(state, ids, last_only=True)
         return state
 
     def crop(self, state: KVState, n: int) -> None:

@@ -1,0 +1,421 @@
+"""Messages and tools -> each member's prompt; tool calls parsed back out of generated text.
+
+Tools travel in OpenAI function format ({"type": "function", "function": {"name", "description",
+"parameters"}}), which both LangChain (`convert_to_openai_tool`) and LlamaIndex
+(`tool.metadata.to_openai_tool()`) produce. A member whose chat template references `tools` gets
+them through the template; any other member (SmolLM2's ChatML, Gemma-3-270M's plain transcript)
+gets the JSON tool protocol below in its system message. Either way the model answers a call as
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+(the Hermes/Qwen convention most tool-tuned templates use). When a call is required
+(`tool_choice="required"`/"any" or a tool name, and so `with_structured_output`) the call is
+written for the model field by field (`guided_call`): the JSON syntax comes from the schema and
+only the values are generated, so even a 135M model returns a well-formed call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import RequestError
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+# ---- tools and tool_choice -----------------------------------------------------------------
+def check_tools(tools: Any) -> list[dict] | None:
+    """Validate OpenAI-format tool specs; returns them as a list (None when there are none)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise RequestError(f"tools must be a list of OpenAI-format tool dicts, got {type(tools).__name__}")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(
+                f"tool {i} must look like {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}, "
+                f"got {t!r}")
+        if fn["name"] in names:
+            raise RequestError(f"two tools are named {fn['name']!r}; tool names must be unique.")
+        names.add(fn["name"])
+        out.append({"type": "function", "function": dict(fn)})
+    return out or None
+
+
+def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str:
+    """Normalise tool_choice to "auto", "none", "required" or a tool name."""
+    if tool_choice is None:
+        return "auto"
+    if tool_choice is True or tool_choice == "any":
+        tool_choice = "required"
+    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        if not isinstance(name, str):
+            raise RequestError(f"tool_choice dict names no tool: {tool_choice!r}")
+        tool_choice = name
+    if not isinstance(tool_choice, str):
+        raise RequestError(f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool name or a dict, "
+                           f"got {tool_choice!r}")
+    names = [t["function"]["name"] for t in tools or []]
+    if tool_choice in TOOL_CHOICES:
+        if tool_choice == "required" and not names:
+            raise RequestError("tool_choice='required' needs at least one tool; pass tools=[...].")
+        return tool_choice
+    if tool_choice not in names:
+        raise RequestError(f"tool_choice names {tool_choice!r}, which is not among the tools {names}.")
+    return tool_choice
+
+
+def tool_protocol(tools: list[dict], tool_choice: str) -> str:
+    """System-prompt text that teaches a model without a tools-aware template to call tools."""
+    specs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    if tool_choice == "required":
+        rule = "You must call one of these tools."
+    elif tool_choice not in ("auto", "none"):
+        rule = f"You must call the tool {tool_choice}."
+    else:
+        rule = "When a tool helps, call it; otherwise answer normally."
+    return (f"You can call these tools (JSON schemas):\n{specs}\n{rule} To call a tool, reply with exactly\n"
+            f'{TOOL_OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n{TOOL_CLOSE}\n'
+            "Tool results come back in messages from the tool.")
+
+
+# ---- messages -> prompt --------------------------------------------------------------------
+def content_text(content: Any) -> str:
+    """Message content as plain text: strings as is, lists of parts joined (text parts only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                out.append(part["text"])
+        return "".join(out)
+    return str(content)
+
+
+def call_text(name: str, arguments: Any) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CLOSE}"
+
+
+def template_features(member) -> tuple[bool, bool]:
+    """(template renders `tools`, template renders assistant `tool_calls`)."""
+    tpl = getattr(member.tokenizer, "chat_template", None) if member.has_chat_template else None
+    tpl = tpl if isinstance(tpl, str) else ""
+    return "tools" in tpl, "tool_calls" in tpl
+
+
+def member_messages(member, messages: list[dict], tools: list[dict] | None,
+                    tool_choice: str) -> tuple[list[dict], list[dict] | None]:
+    """The messages (and template tools) to render for one member.
+
+    Content becomes plain text; assistant tool calls become `<tool_call>` text unless the template
+    renders them; tool results keep their role; tools go to the template when it takes them, else
+    into the system message as the JSON protocol.
+    """
+    native_tools, native_calls = template_features(member)
+    use_tools = tools if tools and tool_choice != "none" else None
+    out = []
+    for m in messages:
+        role = m["role"]
+        msg: dict[str, Any] = {"role": role, "content": content_text(m.get("content"))}
+        calls = m.get("tool_calls") or []
+        if role == "assistant" and calls:
+            if native_calls:
+                msg["tool_calls"] = calls
+            else:
+                texts = [call_text(c["function"]["name"], c["function"].get("arguments", {})) for c in calls]
+                msg["content"] = "\n".join([msg["content"]] * bool(msg["content"]) + texts)
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key):
+                    msg[key] = m[key]
+            if not native_calls and m.get("name"):
+                msg["content"] = f"[{m['name']}] {msg['content']}"
+        elif m.get("name") and role in ("user", "assistant") and not native_calls:
+            msg["content"] = f"{m['name']}: {msg['content']}"
+        out.append(msg)
+    if use_tools and not native_tools:
+        text = tool_protocol(use_tools, tool_choice)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + text).strip()}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+        return out, None
+    return out, use_tools
+
+
+def history_calls(messages: Any) -> set[str]:
+    """Keys of the tool calls already made in a message history (see `call_key`)."""
+    keys = set()
+    for m in messages if isinstance(messages, (list, tuple)) else []:
+        for c in m.get("tool_calls") or []:
+            fn = c.get("function") or {}
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    continue
+            keys.add(call_key(fn.get("name"), args))
+    return keys
+
+
+def call_key(name: Any, arguments: Any) -> str:
+    return json.dumps([name, arguments], sort_keys=True, ensure_ascii=False)
+
+
+# ---- tool calls out of text ----------------------------------------------------------------
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("function"), dict):  # {"type": "function", "function": {...}}
+        obj = obj["function"]
+    name = obj.get("name")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if name not in names or not isinstance(args, dict):
+        return None
+    return ToolCall(name, args)
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None) -> tuple[str, list[ToolCall]]:
+    """Split generated text into (content, tool calls).
+
+    Accepts `<tool_call>{json}</tool_call>` blocks (closing tag optional at the end) and, when
+    there are none, a reply that is one bare JSON call object (optionally in a ```json fence).
+    Calls must name a known tool and carry a JSON object of arguments; anything else stays content
+    (returned unstripped: strip it for display).
+    """
+    names = {t["function"]["name"] for t in tools or []}
+    if not names:
+        return text, []
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    pos = 0
+    for m in re.finditer(re.escape(TOOL_OPEN), text):
+        if m.start() < pos:
+            continue
+        start = m.end()
+        body = text[start:].lstrip()
+        try:
+            obj, used = _DECODER.raw_decode(body)
+        except ValueError:
+            continue
+        call = _call_from(obj, names)
+        if call is None:
+            continue
+        end = start + (len(text[start:]) - len(body)) + used
+        rest = text[end:]
+        close = re.match(r"\s*" + re.escape(TOOL_CLOSE), rest)
+        end += close.end() if close else 0
+        kept.append(text[pos:m.start()])
+        calls.append(call)
+        pos = end
+    if calls:
+        kept.append(text[pos:])
+        return "".join(kept), calls
+    bare = re.sub(r"^```(?:json)?\s*|\s*```$", "", text.strip())
+    if bare.startswith("{"):
+        try:
+            obj, used = _DECODER.raw_decode(bare)
+        except ValueError:
+            return text, []
+        call = _call_from(obj, names)
+        if call is not None and not bare[used:].strip():
+            return "", [call]
+    return text, []
+
+
+class ToolTextFilter:
+    """Streams content while holding back anything that may be tool-call markup.
+
+    `feed(delta)` returns the text that is surely content; text from a possible `<tool_call>` (or a
+    leading `{` / ``` that may open a bare JSON call) is held until the end, when `finish()` parses
+    everything.
+    """
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        self.tools = tools
+        self.text = ""
+        self.sent = 0
+        self.held = False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if not self.tools:
+            return self._release(len(self.text))
+        if self.held:
+            return ""
+        stripped = self.text.lstrip()
+        if not stripped:
+            return ""
+        if self.sent == 0 and stripped[0] in "{`":
+            self.held = True
+            return ""
+        i = self.text.find(TOOL_OPEN, self.sent)
+        if i >= 0:
+            self.held = True
+            return self._release(i)
+        keep = 0  # a tail that could be the start of TOOL_OPEN stays back
+        for k in range(min(len(TOOL_OPEN) - 1, len(self.text) - self.sent), 0, -1):
+            if TOOL_OPEN.startswith(self.text[-k:]):
+                keep = k
+                break
+        return self._release(len(self.text) - keep)
+
+    def _release(self, upto: int) -> str:
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        """(content not yet released, the whole content, tool calls)."""
+        content, calls = parse_tool_calls(self.text, self.tools)
+        if not calls:
+            return self._release(len(self.text)), self.text, []
+        released = self.text[:self.sent]
+        tail = content[len(released):] if content.startswith(released) else ""
+        self.sent = len(self.text)
+        return tail.rstrip(), content.strip(), calls
+
+
+# ---- guided tool calls ---------------------------------------------------------------------
+# A required call is written field by field, the way jsonformer does: the JSON syntax (braces,
+# keys, quotes, commas) is written for the model and only the values are generated, each by a
+# short generation that stops at the value's end. A 135M model cannot keep a JSON object well
+# formed on its own; with only values to choose it fills schemas reliably.
+
+def _resolve(schema: dict, defs: dict) -> dict:
+    while isinstance(schema, dict) and "$ref" in schema:
+        schema = defs.get(schema["$ref"].rsplit("/", 1)[-1], {})
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema, dict) and key in schema:  # Optional[X]: the first non-null branch
+            branches = [b for b in schema[key] if _resolve(b, defs).get("type") != "null"]
+            if branches:
+                merged = {k: v for k, v in schema.items() if k != key}
+                return {**_resolve(branches[0], defs), **merged}
+    if isinstance(schema, dict) and "allOf" in schema and len(schema["allOf"]) == 1:
+        return {**_resolve(schema["allOf"][0], defs), **{k: v for k, v in schema.items() if k != "allOf"}}
+    return schema if isinstance(schema, dict) else {}
+
+
+def _pick(out: str, options: list[str]) -> str:
+    """The option the model's text names: exact, then the one it begins, then the closest."""
+    import difflib
+
+    word = out.strip().strip('"')
+    for o in options:
+        if word == o.strip('"'):
+            return o
+    begun = [o for o in options if word and o.strip('"').startswith(word)]
+    if begun:
+        return begun[0]
+    close = difflib.get_close_matches(word, [o.strip('"') for o in options], n=1, cutoff=0.0)
+    return next((o for o in options if close and o.strip('"') == close[0]), options[0])
+
+
+def _value(schema: dict, defs: dict, text: str, gen) -> tuple[str, Any]:
+    """Generate one JSON value after `text`; returns (its JSON text, the value)."""
+    schema = _resolve(schema, defs)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if schema.get("enum"):
+        options = [json.dumps(v, ensure_ascii=False) for v in schema["enum"]]
+        pick = _pick(gen(text, ["\n", ",", "}"], 16), options)
+        return pick, json.loads(pick)
+    if kind == "object" or "properties" in schema:
+        return _object(schema, defs, text, gen)
+    if kind == "string":
+        out = gen(text + '"', ['"', "\n"], 48)
+        return json.dumps(out, ensure_ascii=False), out
+    if kind in ("integer", "number"):
+        out = gen(text, [",", "}", "\n"], 8)
+        m = re.search(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", out)
+        num: int | float = 0
+        if m:
+            num = float(m.group())
+            if kind == "integer" or (num.is_integer() and not re.search(r"[.eE]", m.group())):
+                num = int(num)
+        return json.dumps(num), num
+    if kind == "boolean":
+        val = not gen(text, [",", "}", "\n"], 4).strip().lower().startswith("f")
+        return json.dumps(val), val
+    # arrays and anything else: the model writes the JSON value; keep it when it parses
+    close, opener = ("]", "[") if kind == "array" else ("}", "")
+    out = gen(text + opener, [close + "\n", close + "}", close + ","], 64)
+    try:
+        val, _ = _DECODER.raw_decode((opener + out + (close if opener else "")).strip())
+    except ValueError:
+        val = [] if kind == "array" else None
+    return json.dumps(val, ensure_ascii=False), val
+
+
+def _object(schema: dict, defs: dict, text: str, gen) -> tuple[str, dict]:
+    """Required properties (all when the schema lists none as required), in schema order."""
+    props = schema.get("properties") or {}
+    required = schema.get("required")
+    keys = [k for k in props if required is None or k in required]
+    out_text, val = "{", {}
+    for i, key in enumerate(keys):
+        out_text += ("" if i == 0 else ", ") + json.dumps(key) + ": "
+        piece, v = _value(props[key], defs, text + out_text, gen)
+        out_text += piece
+        val[key] = v
+    return out_text + "}", val
+
+
+def guided_call(tools: list[dict], tool_choice: str, gen) -> str:
+    """The text of one required tool call, `<tool_call>{...}</tool_call>`, written field by field.
+
+    gen(text, stops, max_tokens) continues the reply `text` and returns what the model wrote
+    (the stop string excluded; the caller enforces the request's overall token budget). With
+    several tools and tool_choice "required" the model first writes the tool's name; a name that
+    is not a tool's exactly is matched to the tool whose name it begins, else the closest name.
+    """
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    text = TOOL_OPEN + '\n{"name": '
+    if tool_choice == "required" and len(by_name) > 1:
+        name = json.loads(_pick(gen(text + '"', ['"', "\n"], 16), [json.dumps(n) for n in by_name]))
+    else:
+        name = next(iter(by_name)) if tool_choice == "required" else tool_choice
+    text += json.dumps(name) + ', "arguments": '
+    params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
+    piece, _ = _value(params, params.get("$defs") or params.get("definitions") or {}, text, gen)
+    return text + piece + "}\n" + TOOL_CLOSE

@@ -1,0 +1,261 @@
+"""`EnsembleLLM`: a LangChain chat model over an `ensemble_llm.Ensemble`.
+
+The facade only translates: LangChain messages and tools in, `AIMessage`s (content, tool calls,
+usage, metadata) out. Prompt building per member, tool protocol, tool-call parsing, stop strings
+and the request queue all live in the engine, shared with the LlamaIndex facade.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.chat_models import LangSmithParams
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import ConfigDict, Field, model_validator
+
+from ensemble_llm import Ensemble
+from ensemble_llm.chat import check_tool_choice, content_text
+from ensemble_llm.engine import GenerationResult
+
+# per-call keyword arguments that LangChain or its agents may pass and that we understand
+_CALL_KEYS = {"tools", "tool_choice", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "model"}
+# keyword arguments LangChain passes through that carry no generation setting for us
+_PASSTHROUGH = {"ls_structured_output_format", "parallel_tool_calls", "strict", "stream"}
+
+
+def _role_of(message: BaseMessage) -> str:
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, ToolMessage):
+        return "tool"
+    if isinstance(message, ChatMessage):
+        role = {"human": "user", "ai": "assistant", "developer": "system"}.get(message.role, message.role)
+        if role in ("system", "user", "assistant", "tool"):
+            return role
+    raise ValueError(f"EnsembleLLM cannot send a {type(message).__name__} (role "
+                     f"{getattr(message, 'role', message.type)!r}); use system, human, ai or tool messages.")
+
+
+def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages -> the engine's {'role', 'content', ...} dicts."""
+    out = []
+    for m in messages:
+        role = _role_of(m)
+        msg: dict[str, Any] = {"role": role, "content": content_text(m.content)}
+        if m.name:
+            msg["name"] = m.name
+        if isinstance(m, AIMessage) and m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.get("id") or f"call_{i}", "type": "function",
+                 "function": {"name": c["name"], "arguments": c.get("args") or {}}}
+                for i, c in enumerate(m.tool_calls)
+            ]
+        if isinstance(m, ToolMessage):
+            msg["tool_call_id"] = m.tool_call_id
+            if m.status == "error":
+                msg["content"] = f"Error: {msg['content']}"
+        out.append(msg)
+    return out
+
+
+class EnsembleLLM(BaseChatModel):
+    """Chat model whose replies come from several local LMs decoded together.
+
+    Example:
+        ```python
+        from langchain_ensemble_llm import EnsembleLLM
+
+        llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe")
+        llm.invoke("What is the capital of France?")
+        ```
+
+    Constructor arguments are those of `ensemble_llm.Ensemble` plus LangChain's usual sampling
+    fields. Nothing loads at construction; the first call loads the weights, once per process for
+    every instance with the same members, method and devices (`Ensemble.shared`). Pass `engine=`
+    to share an `Ensemble` you built yourself (for instance with a LlamaIndex `EnsembleLLM`).
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    members: list[str] | None = None
+    """Bundled names, local folders, local .gguf files or cached hub ids (default: the bundled pair)."""
+    method: str | None = None
+    """"single", "unite" or "safe" (default "safe" for two or more members)."""
+    config: Any = None
+    """The method's config: its dataclass (e.g. `SafeConfig(lookahead=4)`) or a dict."""
+    device: Any = "auto"
+    dtype: Any = "auto"
+    cache_dir: str | None = None
+    trust_remote_code: bool = False
+    progress: bool = True
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    """0 = greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=256, gt=0)
+    """Most new tokens per reply (the drafter's tokens)."""
+    stop: list[str] | None = None
+    seed: int | None = None
+    timeout: float | None = Field(default=None, gt=0)
+    """Seconds a call may run before it raises `ensemble_llm.RequestTimeout` (None: no limit)."""
+    streaming: bool = False
+    engine: Ensemble | None = Field(default=None, exclude=True)
+    """An existing engine to share; its members and method win over the fields above."""
+
+    @model_validator(mode="after")
+    def _build_engine(self) -> "EnsembleLLM":
+        if self.engine is None:
+            # Ensemble validates members, method, config and devices and names the bad one.
+            self.engine = Ensemble.shared(self.members, self.method, self.config, device=self.device,
+                                          dtype=self.dtype, cache_dir=self.cache_dir,
+                                          trust_remote_code=self.trust_remote_code, progress=self.progress)
+        elif not isinstance(self.engine, Ensemble):
+            raise ValueError(f"engine must be an ensemble_llm.Ensemble, got {type(self.engine).__name__}")
+        self.members = self.engine.model_names
+        self.method = self.engine.method_name
+        if self.profile is None:
+            self.profile = {"tool_calling": True, "tool_choice": True, "structured_output": False,
+                            "text_inputs": True, "text_outputs": True, "temperature": True}
+        return self
+
+    # ---- identity ------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return f"{self.method}:{'+'.join(self.members or [])}"
+
+    @property
+    def _llm_type(self) -> str:
+        return "ensemble-llm"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"members": self.members, "method": self.method, "config": repr(self.engine.config),
+                "temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="ensemble_llm", ls_model_name=kwargs.get("model") or self.model_name,
+                                 ls_model_type="chat", ls_temperature=kwargs.get("temperature", self.temperature))
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens:
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of `text` in the main member's tokenizer (loads the members)."""
+        members = self.engine.members
+        return members[self.engine._method.main_member()].encode(text)
+
+    # ---- tools ---------------------------------------------------------------------------
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | dict | bool | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (any form `convert_to_openai_tool` takes). tool_choice: None/"auto", "none",
+        "any"/"required"/True (a call is forced), a tool name or {"type": "function", ...}."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        check_tool_choice(tool_choice, formatted)  # fail here, not at the first call
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    # ---- generation ----------------------------------------------------------------------
+    def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - _CALL_KEYS - _PASSTHROUGH
+        if unknown:
+            raise ValueError(f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; "
+                             f"it takes {sorted(_CALL_KEYS)}.")
+        model = kwargs.get("model")
+        if model is not None and model != self.model_name:
+            raise ValueError(f"EnsembleLLM cannot switch to model {model!r} per call; build another "
+                             f"EnsembleLLM(members=[...]) (this one is {self.model_name!r}).")
+        stops = list(self.stop or []) + [s for s in (stop or []) if s not in (self.stop or [])]
+        return {
+            "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
+            "temperature": kwargs.get("temperature", self.temperature),
+            "top_p": kwargs.get("top_p", self.top_p),
+            "seed": kwargs.get("seed", self.seed),
+            "stop": stops,
+            "timeout": self.timeout,
+            "tools": kwargs.get("tools"),
+            "tool_choice": kwargs.get("tool_choice"),
+        }
+
+    def _metadata(self, result: GenerationResult) -> dict[str, Any]:
+        return {"model_name": self.model_name, "members": result.models, "method": result.method,
+                "finish_reason": result.finish_reason, "stats": result.stats}
+
+    @staticmethod
+    def _usage(result: GenerationResult) -> dict[str, int]:
+        u = result.usage
+        return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                "total_tokens": u.total_tokens}
+
+    def _message(self, result: GenerationResult) -> AIMessage:
+        calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
+        return AIMessage(content=result.text, tool_calls=calls, usage_metadata=self._usage(result),
+                         response_metadata=self._metadata(result))
+
+    def _last_chunk(self, result: GenerationResult) -> ChatGenerationChunk:
+        chunks = [{"name": c.name, "args": json.dumps(c.arguments, ensure_ascii=False), "id": c.id, "index": i,
+                   "type": "tool_call_chunk"} for i, c in enumerate(result.tool_calls)]
+        msg = AIMessageChunk(content="", tool_call_chunks=chunks, usage_metadata=self._usage(result),
+                             response_metadata=self._metadata(result), chunk_position="last")
+        return ChatGenerationChunk(message=msg, generation_info={"finish_reason": result.finish_reason})
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        request = self._request(stop, kwargs)
+        result = self.engine.generate(to_engine_messages(messages), **request)
+        return ChatResult(generations=[ChatGeneration(message=self._message(result),
+                                                      generation_info={"finish_reason": result.finish_reason})])
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        request = self._request(stop, kwargs)
+        result = await self.engine.agenerate(to_engine_messages(messages), **request)
+        return ChatResult(generations=[ChatGeneration(message=self._message(result),
+                                                      generation_info={"finish_reason": result.finish_reason})])
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        request = self._request(stop, kwargs)
+        stream = self.engine.stream(to_engine_messages(messages), **request)
+        for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(stream.result)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        request = self._request(stop, kwargs)
+        stream = self.engine.astream(to_engine_messages(messages), **request)
+        async for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(stream.result)
+
+
+__all__ = ["EnsembleLLM", "to_engine_messages"]

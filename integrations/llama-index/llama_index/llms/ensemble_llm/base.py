@@ -1,0 +1,286 @@
+"""`EnsembleLLM`: a LlamaIndex function-calling LLM over an `ensemble_llm.Ensemble`.
+
+The facade only translates: LlamaIndex chat messages and tools in, `ChatResponse`s (content,
+`ToolCallBlock`s, usage in `raw`) out. Prompts per member, the tool protocol, tool-call parsing,
+stop strings and the request queue live in the engine, shared with the LangChain facade. Every
+async method awaits the engine's own async API, so no event loop is ever blocked by generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncGenerator, Generator, List, Optional, Sequence, Union
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+    ToolCallBlock,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from pydantic import Field, PrivateAttr, model_validator
+
+from ensemble_llm import Ensemble
+from ensemble_llm.chat import check_tool_choice
+from ensemble_llm.engine import GenerationResult
+
+_ROLES = {
+    MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+    MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool",
+}
+_CALL_KEYS = {"tools", "tool_choice", "max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "stop"}
+
+
+def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """LlamaIndex chat messages -> the engine's {'role', 'content', ...} dicts."""
+    out = []
+    for m in messages:
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise ValueError(f"EnsembleLLM cannot send a message with role {m.role!r}; "
+                             "use system, user, assistant or tool.")
+        text = "".join(b.text for b in m.blocks if isinstance(b, TextBlock))
+        msg: dict[str, Any] = {"role": role, "content": text}
+        calls = [b for b in m.blocks if isinstance(b, ToolCallBlock)]
+        if role == "assistant" and calls:
+            msg["tool_calls"] = [
+                {"id": c.tool_call_id or f"call_{i}", "type": "function",
+                 "function": {"name": c.tool_name, "arguments": c.tool_kwargs}}
+                for i, c in enumerate(calls)
+            ]
+        extra = m.additional_kwargs or {}
+        if role == "assistant" and not calls and extra.get("tool_calls"):  # OpenAI-style history
+            msg["tool_calls"] = list(extra["tool_calls"])
+        if role == "tool":
+            if extra.get("tool_call_id"):
+                msg["tool_call_id"] = extra["tool_call_id"]
+            if extra.get("name"):
+                msg["name"] = extra["name"]
+        out.append(msg)
+    return out
+
+
+class EnsembleLLM(FunctionCallingLLM):
+    """LlamaIndex LLM whose replies come from several local LMs decoded together.
+
+    Example:
+        ```python
+        from llama_index.core import Settings
+        from llama_index.llms.ensemble_llm import EnsembleLLM
+
+        Settings.llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe")
+        ```
+
+    Constructor arguments are those of `ensemble_llm.Ensemble` plus sampling fields. Nothing loads
+    at construction; the first call loads the weights, once per process for every instance with
+    the same members, method and devices (`Ensemble.shared`). `engine=` shares an `Ensemble`,
+    for instance with the LangChain `EnsembleLLM` in the same process.
+    """
+
+    members: Optional[List[str]] = Field(default=None, description="Bundled names, folders, .gguf files or cached hub ids.")
+    method: Optional[str] = Field(default=None, description='"single", "unite" or "safe" (default safe for 2+ members).')
+    config: Any = Field(default=None, description="The method's config dataclass or a dict.")
+    device: Any = Field(default="auto", description='"auto", a device, or one device per member.')
+    dtype: Any = Field(default="auto", description='"auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype.')
+    cache_dir: Optional[str] = Field(default=None, description="Where converted bundled models are cached.")
+    trust_remote_code: bool = Field(default=False)
+    progress: bool = Field(default=True, description="Show download/conversion progress bars.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(default=256, gt=0, description="Most new tokens per reply.")
+    stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
+    seed: Optional[int] = Field(default=None)
+    timeout: Optional[float] = Field(default=None, gt=0, description="Seconds a call may run.")
+    engine: Optional[Ensemble] = Field(default=None, exclude=True, description="An Ensemble to share.")
+    _context_window: Optional[int] = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _build_engine(self) -> "EnsembleLLM":
+        if self.engine is None:
+            self.engine = Ensemble.shared(self.members, self.method, self.config, device=self.device,
+                                          dtype=self.dtype, cache_dir=self.cache_dir,
+                                          trust_remote_code=self.trust_remote_code, progress=self.progress)
+        elif not isinstance(self.engine, Ensemble):
+            raise ValueError(f"engine must be an ensemble_llm.Ensemble, got {type(self.engine).__name__}")
+        self.members = self.engine.model_names
+        self.method = self.engine.method_name
+        return self
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EnsembleLLM"
+
+    @property
+    def model_name(self) -> str:
+        return f"{self.method}:{'+'.join(self.members or [])}"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        if self._context_window is None:
+            self._context_window = self.engine.context_window
+        return LLMMetadata(context_window=self._context_window, num_output=self.max_new_tokens,
+                           is_chat_model=True, is_function_calling_model=True, model_name=self.model_name,
+                           system_role=MessageRole.SYSTEM)
+
+    # ---- request plumbing ----------------------------------------------------------------
+    def _messages(self, messages: Sequence[ChatMessage]) -> list[dict]:
+        msgs = to_engine_messages(messages)
+        if self.system_prompt and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
+
+    def _request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(kwargs) - _CALL_KEYS
+        if unknown:
+            raise TypeError(f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; "
+                            f"it takes {sorted(_CALL_KEYS)}.")
+        stop = kwargs.get("stop")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        return {
+            "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+            "temperature": kwargs.get("temperature", self.temperature),
+            "top_p": kwargs.get("top_p", self.top_p),
+            "seed": kwargs.get("seed", self.seed),
+            "stop": list(self.stop or []) + [s for s in stop if s not in (self.stop or [])],
+            "timeout": self.timeout,
+            "tools": kwargs.get("tools"),
+            "tool_choice": kwargs.get("tool_choice"),
+        }
+
+    def _raw(self, result: GenerationResult) -> dict[str, Any]:
+        return {"usage": result.usage.to_dict(), "finish_reason": result.finish_reason, "model": self.model_name,
+                "method": result.method, "members": result.models, "stats": result.stats,
+                "text": result.raw_text}
+
+    def _reply(self, result: GenerationResult) -> ChatMessage:
+        blocks: list = [TextBlock(text=result.text)] if result.text else []
+        blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
+                   for c in result.tool_calls]
+        return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks or [TextBlock(text="")])
+
+    def _prompt_messages(self, prompt: str) -> list[ChatMessage]:
+        return [ChatMessage(role=MessageRole.USER, content=prompt)]
+
+    # ---- chat ----------------------------------------------------------------------------
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        result = self.engine.generate(self._messages(messages), **self._request(kwargs))
+        return ChatResponse(message=self._reply(result), raw=self._raw(result))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        result = await self.engine.agenerate(self._messages(messages), **self._request(kwargs))
+        return ChatResponse(message=self._reply(result), raw=self._raw(result))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        stream = self.engine.stream(self._messages(messages), **self._request(kwargs))
+
+        def gen() -> Generator[ChatResponse, None, None]:
+            text = ""
+            for delta in stream:
+                text += delta
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            result = stream.result
+            yield ChatResponse(message=self._reply(result), delta="", raw=self._raw(result))
+
+        return gen()
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        stream = self.engine.astream(self._messages(messages), **self._request(kwargs))
+
+        async def gen() -> AsyncGenerator[ChatResponse, None]:
+            text = ""
+            async for delta in stream:
+                text += delta
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            result = stream.result
+            yield ChatResponse(message=self._reply(result), delta="", raw=self._raw(result))
+
+        return gen()
+
+    # ---- complete (a single user turn through each member's chat template) -----------------
+    def _completion_prompt(self, prompt: str, formatted: bool) -> str:
+        if not formatted and self.completion_to_prompt is not None:
+            prompt = self.completion_to_prompt(prompt)
+        return prompt
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
+        result = self.engine.generate(msgs, **self._request(kwargs))
+        return CompletionResponse(text=result.text, raw=self._raw(result))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
+        result = await self.engine.agenerate(msgs, **self._request(kwargs))
+        return CompletionResponse(text=result.text, raw=self._raw(result))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
+        stream = self.engine.stream(msgs, **self._request(kwargs))
+
+        def gen() -> Generator[CompletionResponse, None, None]:
+            text = ""
+            for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            yield CompletionResponse(text=text, delta="", raw=self._raw(stream.result))
+
+        return gen()
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
+        stream = self.engine.astream(msgs, **self._request(kwargs))
+
+        async def gen() -> AsyncGenerator[CompletionResponse, None]:
+            text = ""
+            async for delta in stream:
+                text += delta
+                yield CompletionResponse(text=text, delta=delta)
+            yield CompletionResponse(text=text, delta="", raw=self._raw(stream.result))
+
+        return gen()
+
+    # ---- tools ---------------------------------------------------------------------------
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: Optional[Union[str, ChatMessage]] = None,
+                                 chat_history: Optional[List[ChatMessage]] = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """Messages plus OpenAI-format tool specs; tool_required forces a call (written field by field)."""
+        specs = [t.metadata.to_openai_tool() for t in tools]
+        messages = list(chat_history or [])
+        if user_msg:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        choice = tool_choice if tool_choice is not None else ("required" if tool_required else "auto")
+        if not specs:
+            choice = None
+        check_tool_choice(choice, specs or None)
+        return {"messages": messages, "tools": specs or None, "tool_choice": choice, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> List[ToolSelection]:
+        calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"Expected at least one tool call, but the model replied: {response.message.content!r}")
+        return [ToolSelection(tool_id=c.tool_call_id or "", tool_name=c.tool_name,
+                              tool_kwargs=c.tool_kwargs if isinstance(c.tool_kwargs, dict) else {})
+                for c in calls]
+
+
+__all__ = ["EnsembleLLM", "to_engine_messages"]

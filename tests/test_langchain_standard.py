@@ -1,0 +1,51 @@
+"""LangChain's own standard test suites (langchain-tests) against EnsembleLLM.
+
+Unit suite: no weights load (construction is lazy). Integration suite: the real bundled pair
+(SmolLM2-135M-Instruct drafting, Gemma-3-270M verifying) with method "safe", greedy.
+"""
+
+from __future__ import annotations
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_ensemble_llm import EnsembleLLM
+
+PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
+
+
+class TestEnsembleLLMUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self):
+        return EnsembleLLM
+
+    @property
+    def chat_model_params(self):
+        return {"members": PAIR, "method": "safe", "progress": False}
+
+    @property
+    def standard_chat_model_params(self):
+        # LangChain's defaults include max_retries and api_key, which a local model has no use
+        # for: EnsembleLLM rejects unknown arguments by name instead of ignoring them.
+        params = dict(super().standard_chat_model_params)
+        params.pop("max_retries", None)
+        params.pop("api_key", None)
+        return params
+
+
+@pytest.mark.real
+class TestEnsembleLLMIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self):
+        return EnsembleLLM
+
+    @property
+    def chat_model_params(self):
+        return {"members": PAIR, "method": "safe", "max_tokens": 24, "progress": False}
+
+    @pytest.mark.xfail(reason="capability: a 135M/270M model does not decide on its own (tool_choice=None) "
+                              "to call a tool; required calls (tool_choice='any' or a name) work and pass "
+                              "test_tool_calling, test_tool_choice and the structured-output tests")
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)
