@@ -11,6 +11,16 @@ pytestmark = pytest.mark.real
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.fixture
+def no_network():
+    """Any attempt to open an internet socket fails the test (unix sockets, used by asyncio, stay)."""
+    import pytest_socket
+
+    pytest_socket.disable_socket(allow_unix_socket=True)
+    yield
+    pytest_socket.enable_socket()
+
+
 def load(name):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -29,7 +39,7 @@ def test_langchain_chain():
     assert len(out["streamed"]) > 1 and "".join(out["streamed"]).strip()
 
 
-def test_langchain_rag_cites_the_right_source():
+def test_langchain_rag_cites_the_right_source(no_network):
     out = load("langchain_rag").main(max_tokens=24)
     assert out["sources"] == ["peaks.txt"] and out["answer"].strip()
 
@@ -44,14 +54,15 @@ def test_langchain_agent_uses_the_tool():
     assert isinstance(msgs[-1], AIMessage) and not msgs[-1].tool_calls and msgs[-1].content.strip()
 
 
-def test_llamaindex_rag_query_stream_async_chat():
+def test_llamaindex_rag_query_stream_async_chat(no_network):
+    """Settings.llm = EnsembleLLM and an offline embedding: no step reaches for OpenAI or the network."""
     out = load("llamaindex_rag").main(max_new_tokens=24)
     assert out["sources"] == ["peaks.txt"] and "8,849" in out["answer"]
     assert len(out["streamed"]) > 1 and "1889" in "".join(out["streamed"])
     assert "Danube" in out["async"] and out["chat"].strip()
 
 
-def test_llamaindex_agent_uses_the_tool():
+def test_llamaindex_agent_uses_the_tool(no_network):
     out = load("llamaindex_agent").main(max_new_tokens=32)
     assert out["calls"] and out["calls"][0][0] == "get_population" and "2.1 million" in out["calls"][0][2]
     assert out["answer"].strip()

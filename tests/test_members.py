@@ -51,7 +51,7 @@ def test_bos_and_chat_rendering(tiny_members):
     assert not smol.adds_bos and smol.prompt_ids(s)[0] == smol.tokenizer.convert_tokens_to_ids("<|im_start|>")
     g = gemma.render_chat(msgs)
     assert g == "Be brief.\nUser:\nHi?\nAssistant:\n"
-    assert gemma.chat_stop_strings == ("\nUser:",) and smol.chat_stop_strings == ()
+    assert gemma.chat_stop_strings == ("\nUser:", "\nAssistant:") and smol.chat_stop_strings == ()
     ids = gemma.prompt_ids(g)
     assert ids[0] == gemma.bos_id and ids[1] != gemma.bos_id
     assert gemma.prompt_ids("<bos>" + g) == ids  # never a double BOS

@@ -22,7 +22,7 @@ from .vocab import token_bytes
 # so an answer begins without a leading space, as it does after a ChatML "assistant\n" header:
 # members with and without templates then see the same answer text.
 PLAIN_ROLES = {"system": "", "user": "User:\n", "assistant": "Assistant:\n", "tool": "Tool result:\n"}
-PLAIN_STOPS = ("\nUser:",)
+PLAIN_STOPS = ("\nUser:", "\nAssistant:")  # a new turn of the transcript ends the reply
 
 
 @dataclass
@@ -32,6 +32,7 @@ class KVState:
     ids: list[int] = field(default_factory=list)
     cache: Any = None
     next_logprobs: torch.Tensor | None = None  # [V] float32
+    next_logits: torch.Tensor | None = None  # [V] the raw logits behind next_logprobs
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -118,7 +119,7 @@ class Member:
 
     @property
     def chat_stop_strings(self) -> tuple[str, ...]:
-        """Stop strings implied by the chat format (the plain transcript's next 'User:' turn)."""
+        """Stop strings implied by the chat format (a new turn of the plain transcript)."""
         return () if self.has_chat_template else PLAIN_STOPS
 
     def prompt_ids(self, text: str) -> list[int]:
@@ -156,7 +157,7 @@ class Member:
         logits = self._forward(input_ids=x, cache=state.cache, use_cache=True, **keep)[0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         state.ids.extend(int(i) for i in ids)
-        state.next_logprobs = logp[-1]
+        state.next_logprobs, state.next_logits = logp[-1], logits[-1].float()
         return logp
 
     def prefill(self, ids: Sequence[int]) -> KVState:
@@ -178,7 +179,7 @@ class Member:
         else:
             state.cache.crop(-k)
         del state.ids[n:]
-        state.next_logprobs = None
+        state.next_logprobs = state.next_logits = None
 
     def ensure_next(self, state: KVState) -> torch.Tensor:
         """log p(. | state.ids), recomputing the last position after a crop."""
@@ -207,11 +208,12 @@ class Member:
         logp = torch.log_softmax(logits.float(), dim=-1)
         return [logp[r, : len(s)] for r, s in enumerate(seqs)]
 
-    def score_inline(self, state: KVState, candidates: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Log-prob of every token of each candidate continuation of `state`, all candidates in ONE
-        forward: they are concatenated after the cached context with a block attention mask (each
-        sees the context and itself) and position ids restarting at the context length. The cache
-        is left as it was."""
+    def score_inline(self, state: KVState, candidates: Sequence[Sequence[int]],
+                     raw_logits: bool = False) -> list[torch.Tensor]:
+        """Log-prob (or, with `raw_logits`, the raw logit) of every token of each candidate
+        continuation of `state`, all candidates in ONE forward: they are concatenated after the
+        cached context with a block attention mask (each sees the context and itself) and position
+        ids restarting at the context length. The cache is left as it was."""
         if not candidates or any(len(c) == 0 for c in candidates):
             raise ValueError("score_inline needs non-empty candidates")
         first_lp = self.ensure_next(state)
@@ -245,7 +247,10 @@ class Member:
             cache=state.cache, use_cache=True,
         )[0]
         state.cache.crop(-total)
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        if raw_logits:
+            logp, first_lp = logits.float(), state.next_logits
+        else:
+            logp = torch.log_softmax(logits.float(), dim=-1)
         out = []
         for s, c in zip(starts, candidates):
             ids = torch.tensor(list(c), device=self.device)

@@ -6,9 +6,10 @@ from ..errors import ConfigError
 from .base import Method, Request
 from .safe import Safe, SafeConfig
 from .single import Single, SingleConfig
+from .specfuse import SpecFuse, SpecFuseConfig
 from .unite import Unite, UniteConfig
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe, SpecFuse)}
 
 
 def get_method(name: str) -> type[Method]:
@@ -17,5 +18,5 @@ def get_method(name: str) -> type[Method]:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "Method", "Request", "Safe", "SafeConfig", "Single", "SingleConfig", "Unite", "UniteConfig",
+__all__ = ["METHODS", "Method", "Request", "Safe", "SafeConfig", "Single", "SingleConfig", "SpecFuse", "SpecFuseConfig", "Unite", "UniteConfig",
            "get_method"]

@@ -1,0 +1,232 @@
+"""`specfuse`: SpecFuse / SpecEM (arXiv 2412.07380): every member drafts a segment, every member
+scores every segment in one forward, the best weighted segment is kept; Hedge weights online.
+
+One round:
+1. draft: each active member drafts up to `segment_len` tokens on its own KV cache (sampling or
+   greedy); a draft that ends mid-word is cut back to its last space (unless it ended with EOS),
+   and to complete UTF-8; the cache is then cropped back to the shared text. Members on different
+   devices draft in parallel threads; on one device they take turns (they would only contend).
+2. verify in-line: each member scores all candidates in ONE forward on top of its cached context
+   (`Member.score_inline`: candidates re-tokenized by that member, block attention mask, position
+   ids restarting at the context length). The context's KV cache is reused across rounds.
+3. score: S[v, c] = mean token log-prob of candidate c under member v (plus its EOS when the
+   draft ended there), turned into a per-token geometric-mean probability exp(S) and L1-normalised
+   over the candidates. `score="logit"` uses the mean raw logit instead (the released code), L1-
+   normalised after shifting so the smallest is positive.
+4. Hedge: reward r_i = #{(j, k): j != i, k != i, S[j, i] >= S[j, k]} / (K - 1)^2 (how the other
+   members rank i's candidate), w <- w * exp(eta_t * r) with eta_t = hedge_lr * sqrt(1/K) / t,
+   normalised; updated before this round's selection, as in the released code; reset per request.
+5. select c* = argmax_c sum_v w_v S[v, c]; members whose weight falls below `exit_threshold` stop
+   drafting for the rest of the request (they keep verifying; the best member never exits).
+6. every member extends its cache with its canonical tokenization of the new text; the segment is
+   streamed at once; stop on the winner's EOS or the token budget (in the first member's tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..errors import ConfigError
+from .align import CanonicalView, valid_utf8_prefix, vocab_index
+from .base import Method, Request
+from .sampling import pick_token
+from .unite import check_ensemble_members, check_weights
+
+SCORES = ("logprob", "logit")
+
+
+@dataclass
+class SpecFuseConfig:
+    segment_len: int = 10
+    score: str = "logprob"
+    hedge: bool = True
+    hedge_lr: float = 1.0
+    exit_threshold: float | None = None
+    weights: list[float] | None = None  # initial member weights, default uniform
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.segment_len, int) or self.segment_len < 1:
+            raise ConfigError(f"SpecFuseConfig.segment_len must be an integer >= 1, got {self.segment_len!r}")
+        if self.score not in SCORES:
+            raise ConfigError(f"SpecFuseConfig.score must be one of {SCORES}, got {self.score!r}")
+        if not isinstance(self.hedge_lr, (int, float)) or self.hedge_lr <= 0:
+            raise ConfigError(f"SpecFuseConfig.hedge_lr must be > 0, got {self.hedge_lr!r}")
+        if self.exit_threshold is not None and (
+                not isinstance(self.exit_threshold, (int, float)) or not 0 < self.exit_threshold < 1):
+            raise ConfigError(f"SpecFuseConfig.exit_threshold must be in (0, 1) or None, got {self.exit_threshold!r}")
+        check_weights(self.weights, None, "SpecFuseConfig")
+
+
+@dataclass
+class Draft:
+    member: int
+    text: bytes  # the segment after cutting (complete UTF-8)
+    eos: bool  # the draft ended with the member's EOS (and was not cut)
+
+
+def cut_draft(data: bytes, eos: bool) -> bytes:
+    """A draft's kept bytes: complete UTF-8, and, unless it ended with EOS, no trailing partial
+    word (cut before the last space when it ends in a letter or digit and has a space to cut at)."""
+    data = data[: valid_utf8_prefix(data)]
+    if eos:
+        return data
+    text = data.decode("utf-8")
+    if text and re.match(r"\w", text[-1]):
+        cut = max(text.rfind(" "), text.rfind("\n"))
+        if cut > 0:
+            text = text[:cut]
+    return text.encode("utf-8")
+
+
+def hedge_rewards(scores: torch.Tensor, owners: list[int]) -> torch.Tensor:
+    """scores [V verifiers, C candidates], owners[c] = the member (verifier index) that drafted c
+    -> reward per candidate: the fraction of (verifier j != owner, other candidate c') pairs in
+    which j scores c at least as high as c'. With every member drafting this is SpecEM's
+    wins_i / (K - 1)^2."""
+    v, c = scores.shape
+    out = torch.zeros(c, dtype=torch.float64)
+    denom = (v - 1) * (c - 1)
+    if denom <= 0:
+        return out
+    for a in range(c):
+        wins = sum(1 for j in range(v) if j != owners[a] for b in range(c) if b != a and scores[j, a] >= scores[j, b])
+        out[a] = wins / denom
+    return out
+
+
+def hedge_update(weights: torch.Tensor, rewards: torch.Tensor, eta: float) -> torch.Tensor:
+    w = weights * torch.exp(eta * rewards)
+    return w / w.sum()
+
+
+def normalise(scores: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per verifier row, candidates' scores -> non-negative, summing to one."""
+    if mode == "logprob":
+        g = torch.exp(scores)  # geometric-mean token probability, in (0, 1]
+    else:  # raw-logit means can be negative: shift each row so its smallest is a small positive
+        g = scores - scores.min(dim=1, keepdim=True).values + 1e-6
+    return g / g.sum(dim=1, keepdim=True)
+
+
+class SpecFuse(Method):
+    name = "specfuse"
+    config_class = SpecFuseConfig
+
+    def check_members(self) -> None:
+        check_ensemble_members(self.name, self.members, 0, "SpecFuseConfig.members", self.config.weights)
+
+    def main_member(self) -> int:
+        return 0
+
+    # ---- one member's draft --------------------------------------------------------------
+    def _draft(self, i: int, view: CanonicalView, n: int, req: Request, gen: torch.Generator | None) -> Draft:
+        m, state = view.member, view.state
+        idx = vocab_index(m)
+        base, saved = len(state.ids), (m.ensure_next(state), state.next_logits)
+        data, eos = b"", False
+        for step in range(n):
+            tok = pick_token(state.next_logprobs, req.temperature, req.top_p, gen)
+            if tok in m.eos_ids:
+                eos = True
+                break
+            data += idx.key_of(tok)
+            if step + 1 < n:
+                m.extend(state, [tok])
+        m.crop(state, base)
+        state.next_logprobs, state.next_logits = saved  # the cache is back to exactly what it held
+        return Draft(i, cut_draft(data, eos) if data or eos else b"", eos)
+
+    def _score(self, view: CanonicalView, drafts: list[Draft]) -> list[float]:
+        m = view.member
+        eos = m.tokenizer.eos_token_id if m.tokenizer.eos_token_id in m.eos_ids else min(m.eos_ids, default=None)
+        cands = []
+        for d in drafts:
+            ids = m.encode(d.text.decode("utf-8")) if d.text else []
+            if d.eos and eos is not None:
+                ids = ids + [eos]
+            cands.append(ids)
+        out = m.score_inline(view.state, cands, raw_logits=self.config.score == "logit")
+        return [float(x.mean()) for x in out]
+
+    def run(self, req: Request) -> Iterator[str]:
+        cfg, members = self.config, self.members
+        k = len(members)
+        views = [CanonicalView.start(m, ids) for m, ids in zip(members, req.prompt_ids)]
+        main = members[0]
+        w = torch.tensor(cfg.weights or [1.0] * k, dtype=torch.float64)
+        w = w / w.sum()
+        active = [True] * k
+        st = req.stats
+        st.update(rounds=0, wins={m.name: 0 for m in members}, drafts_saved=0, tokens_out=0, segment_tokens=[])
+        parallel = len({str(m.device) for m in members}) > 1
+        # one generator per member when drafting in parallel, so sampling stays reproducible
+        gens = [req.generator] * k
+        if parallel and req.generator is not None and req.temperature > 0:
+            seed = int(torch.randint(0, 2**62, (), generator=req.generator))
+            gens = [torch.Generator().manual_seed(seed + i) for i in range(k)]
+        text = b""
+        pool = ThreadPoolExecutor(max_workers=k) if parallel else None
+        try:
+            while st["tokens_out"] < req.max_new_tokens:
+                st["rounds"] += 1
+                t = st["rounds"]
+                n = min(cfg.segment_len, req.max_new_tokens - st["tokens_out"])
+                todo = [i for i in range(k) if active[i]]
+                st["drafts_saved"] += k - len(todo)
+                if pool is not None:
+                    drafts = list(pool.map(lambda i: self._draft(i, views[i], n, req, gens[i]), todo))
+                else:
+                    drafts = [self._draft(i, views[i], n, req, gens[i]) for i in todo]
+                drafts = [d for d in drafts if d.text or d.eos]
+                if not drafts:  # every member drafted only bytes that cannot stand alone
+                    req.finish_reason = "stop"
+                    break
+                raw = torch.tensor([self._score(v, drafts) for v in views], dtype=torch.float64)  # [K, C]
+                s = normalise(raw, cfg.score)
+                owners = [d.member for d in drafts]
+                if cfg.hedge and len(drafts) > 1:
+                    eta = cfg.hedge_lr * math.sqrt(1.0 / k) / t
+                    gain = torch.zeros(k, dtype=torch.float64)  # members not drafting keep their weight
+                    gain[owners] = hedge_rewards(s, owners)
+                    w = hedge_update(w, gain, eta)
+                total = (w[:, None] * s).sum(dim=0)  # [C]
+                best = drafts[int(torch.argmax(total))]
+                st["wins"][members[best.member].name] += 1
+                if cfg.exit_threshold is not None:
+                    for i in range(k):
+                        if active[i] and w[i] < cfg.exit_threshold and i != int(torch.argmax(w)):
+                            active[i] = False
+                # budget in the first member's tokens: cut an over-long winner at a token boundary
+                seg = best.text
+                ids, ends = main.encode_with_offsets(seg.decode("utf-8")) if seg else ([], [])
+                room = req.max_new_tokens - st["tokens_out"]
+                eos = best.eos
+                if len(ids) > room:
+                    seg = seg[: valid_utf8_prefix(seg[: ends[room - 1]])]
+                    ids, eos = ids[:room], False
+                st["tokens_out"] += len(ids)
+                st["segment_tokens"].append(len(ids))
+                old = len(text)
+                text += seg
+                if seg:
+                    yield seg.decode("utf-8")
+                if eos:
+                    req.finish_reason = "stop"
+                    break
+                if st["tokens_out"] >= req.max_new_tokens:
+                    break
+                if seg:
+                    decoded = text.decode("utf-8")
+                    for v in views:
+                        v.sync(decoded, from_byte=old)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            st["weights"] = {m.name: round(float(x), 4) for m, x in zip(members, w)}
+            st["active"] = {m.name: a for m, a in zip(members, active)}
