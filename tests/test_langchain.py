@@ -12,7 +12,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, ValidationError
 from typing_extensions import TypedDict
 
-from ensemble_llm import Ensemble, RequestError
+from ensemble_llm import RequestError
 from langchain_ensemble_llm import EnsembleLLM
 from langchain_ensemble_llm.chat_models import to_engine_messages
 

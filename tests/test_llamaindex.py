@@ -45,7 +45,8 @@ def test_construction_metadata_and_sharing(pair):
     assert lc.engine is a.engine  # one engine, one set of loaded models, for both frameworks
     assert EnsembleLLM(engine=lc.engine).engine is lc.engine
     for kwargs, field in (({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_new_tokens"),
-                          ({"method": "magic"}, "magic"), ({"members": ["no-such-model-9b"]}, "no-such-model-9b")):
+                          ({"method": "magic"}, "magic"), ({"members": ["no-such-model-9b"]}, "no-such-model-9b"),
+                          ({"temprature": 0.5}, "temprature")):
         with pytest.raises((ValidationError, ValueError), match=field):
             EnsembleLLM(**{"members": pair, **kwargs})
 

@@ -26,7 +26,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from ensemble_llm import Ensemble
 from ensemble_llm.chat import check_tool_choice
@@ -85,6 +85,8 @@ class EnsembleLLM(FunctionCallingLLM):
     the same members, method and devices (`Ensemble.shared`). `engine=` shares an `Ensemble`,
     for instance with the LangChain `EnsembleLLM` in the same process.
     """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt argument is an error
 
     members: Optional[List[str]] = Field(default=None, description="Bundled names, folders, .gguf files or cached hub ids.")
     method: Optional[str] = Field(default=None, description='"single", "unite" or "safe" (default safe for 2+ members).')
