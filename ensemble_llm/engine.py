@@ -177,6 +177,17 @@ class Ensemble:
         with _SHARED_LOCK:
             return _SHARED.setdefault(key, eng)
 
+    @classmethod
+    def shared_or_given(cls, engine: Any, members: Sequence[str] | None, method: str | None, config: Any,
+                        **kw) -> "Ensemble":
+        """What the framework facades hold: `engine` when the caller passed one (it must be an
+        Ensemble), else the process-wide engine for the other arguments (`shared`)."""
+        if engine is None:
+            return cls.shared(members, method, config, **kw)
+        if not isinstance(engine, cls):
+            raise ConfigError(f"engine must be an ensemble_llm.Ensemble, got {type(engine).__name__}")
+        return engine
+
     # ---- loading -------------------------------------------------------------------------
     @property
     def model_names(self) -> list[str]:
@@ -353,9 +364,9 @@ class Ensemble:
                     first_chunk = time.perf_counter() - t0
                 emit(out)
 
-        def run(reply: str, stops: list[str], max_new: int, on_text: Callable[[str], str]) -> tuple[Request, bool]:
+        def run(reply: str, stops: list[str], max_new: int, on_text: Callable[[str], str]) -> Request:
             """One method run continuing `reply` after each member's prompt; text goes to on_text
-            through the stop matcher. Returns the request and whether a stop string ended it."""
+            through the stop matcher."""
             prompt_ids = [m.prompt_ids(t + reply) for m, t in zip(members, texts)]
             room = []
             for m, ids in zip(members, prompt_ids):
@@ -379,7 +390,7 @@ class Ensemble:
             finally:
                 gen.close()
             on_text(matcher.flush())
-            return req, matcher.stopped
+            return req
 
         tools = params.tools
         # holds back tool-call markup and passes content through; with tool_choice "none" a call
@@ -394,7 +405,7 @@ class Ensemble:
                 if left[0] <= 0 or cancel.is_set():
                     return ""
                 got: list[str] = []
-                req, _ = run(reply, value_stops + stops, min(max_new, left[0]), lambda t: got.append(t) or t)
+                req = run(reply, value_stops + stops, min(max_new, left[0]), lambda t: got.append(t) or t)
                 left[0] -= req.stats.get("tokens_out", 0)
                 runs.append(req)
                 return "".join(got)
@@ -406,7 +417,7 @@ class Ensemble:
                 if any(key in r.stats for r in runs):
                     stats[key] = sum(r.stats.get(key, 0) for r in runs)
         else:
-            req, _ = run("", stops, params.max_new_tokens, lambda t: send(calls_out.feed(t)) or t)
+            req = run("", stops, params.max_new_tokens, lambda t: send(calls_out.feed(t)) or t)
             finish, stats = req.finish_reason, dict(req.stats)
         tail, text, calls = calls_out.finish()
         send(tail)

@@ -70,3 +70,28 @@ def tiny_members(tiny_dirs):
     from ensemble_llm.members import load_member
 
     return {k: load_member(v) for k, v in tiny_dirs.items()}
+
+
+@pytest.fixture
+def loop_ticks():
+    """`async with loop_ticks(interval) as ticks:` counts event-loop turns (ticks[0]) while the
+    body awaits: proof that the awaited work does not block the loop."""
+    import asyncio
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def counting(interval: float = 0.005):
+        ticks = [0]
+
+        async def tick():
+            while True:
+                await asyncio.sleep(interval)
+                ticks[0] += 1
+
+        task = asyncio.create_task(tick())
+        try:
+            yield ticks
+        finally:
+            task.cancel()
+
+    return counting

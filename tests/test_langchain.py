@@ -99,7 +99,7 @@ def test_invoke_stream_agree_and_metadata(llm):
     assert full.usage_metadata == res.usage_metadata
 
 
-async def test_async_paths_and_callbacks(llm):
+async def test_async_paths_and_callbacks(llm, loop_ticks):
     tokens = []
 
     class Handler(BaseCallbackHandler):
@@ -113,18 +113,9 @@ async def test_async_paths_and_callbacks(llm):
     chunks = [c async for c in llm.astream("Hi")]
     assert "".join(c.content for c in chunks) == sync.content and chunks[-1].chunk_position == "last"
     # two concurrent calls: the event loop keeps running while the engine works
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.005)
-            ticks += 1
-
-    t = asyncio.create_task(ticker())
-    both = await asyncio.gather(llm.ainvoke("Hi"), llm.ainvoke("Hi"))
-    t.cancel()
-    assert both[0].content == both[1].content == sync.content and ticks > 3
+    async with loop_ticks() as ticks:
+        both = await asyncio.gather(llm.ainvoke("Hi"), llm.ainvoke("Hi"))
+    assert both[0].content == both[1].content == sync.content and ticks[0] > 3
     assert [r.content for r in llm.batch(["Hi", "Hi"])] == [sync.content] * 2
 
 

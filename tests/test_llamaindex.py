@@ -77,27 +77,18 @@ def test_chat_complete_stream_agree(llm):
     assert parts[-1].text == chat.message.content == "".join(p.delta for p in parts)
 
 
-async def test_async_paths_do_not_block(llm):
+async def test_async_paths_do_not_block(llm, loop_ticks):
     msgs = [ChatMessage(role=MessageRole.USER, content="Hello there")]
     ref = llm.chat(msgs).message.content
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.005)
-            ticks += 1
-
-    t = asyncio.create_task(ticker())
-    res = await llm.achat(msgs)
-    comp = await llm.acomplete("Hello there")
-    gen = await llm.astream_chat(msgs)
-    deltas = [r.delta async for r in gen]
-    gen = await llm.astream_complete("Hello there")
-    last = [r async for r in gen][-1]
-    t.cancel()
+    async with loop_ticks() as ticks:
+        res = await llm.achat(msgs)
+        comp = await llm.acomplete("Hello there")
+        gen = await llm.astream_chat(msgs)
+        deltas = [r.delta async for r in gen]
+        gen = await llm.astream_complete("Hello there")
+        last = [r async for r in gen][-1]
     assert res.message.content == comp.text == "".join(deltas) == last.text == ref
-    assert ticks > 3
+    assert ticks[0] > 3
 
 
 def test_system_prompt_is_applied(pair, llm):

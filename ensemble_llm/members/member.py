@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from ..chat import content_text
 from .vocab import token_bytes
 
 # Plain transcript for models without a chat template. Each turn's text starts on its own line,
@@ -110,10 +111,7 @@ class Member:
                 messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
         lines = []
         for m in messages:
-            content = m.get("content") or ""
-            if not isinstance(content, str):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            lines.append(PLAIN_ROLES.get(m["role"], f"{m['role'].capitalize()}:\n") + content)
+            lines.append(PLAIN_ROLES.get(m["role"], f"{m['role'].capitalize()}:\n") + content_text(m.get("content")))
         text = "\n".join(lines)
         return text + ("\nAssistant:\n" if add_generation_prompt else "")
 

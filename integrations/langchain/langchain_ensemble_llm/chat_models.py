@@ -123,13 +123,10 @@ class EnsembleLLM(BaseChatModel):
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
-        if self.engine is None:
-            # Ensemble validates members, method, config and devices and names the bad one.
-            self.engine = Ensemble.shared(self.members, self.method, self.config, device=self.device,
-                                          dtype=self.dtype, cache_dir=self.cache_dir,
-                                          trust_remote_code=self.trust_remote_code, progress=self.progress)
-        elif not isinstance(self.engine, Ensemble):
-            raise ValueError(f"engine must be an ensemble_llm.Ensemble, got {type(self.engine).__name__}")
+        # Ensemble validates members, method, config and devices and names the bad one
+        self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
+                                               device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
+                                               trust_remote_code=self.trust_remote_code, progress=self.progress)
         self.members = self.engine.model_names
         self.method = self.engine.method_name
         if self.profile is None:
@@ -186,7 +183,7 @@ class EnsembleLLM(BaseChatModel):
         if model is not None and model != self.model_name:
             raise ValueError(f"EnsembleLLM cannot switch to model {model!r} per call; build another "
                              f"EnsembleLLM(members=[...]) (this one is {self.model_name!r}).")
-        stops = list(self.stop or []) + [s for s in (stop or []) if s not in (self.stop or [])]
+        stops = [*(self.stop or []), *(stop or [])]  # duplicates are harmless: StopMatcher drops them
         return {
             "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),

@@ -107,12 +107,10 @@ class EnsembleLLM(FunctionCallingLLM):
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
-        if self.engine is None:
-            self.engine = Ensemble.shared(self.members, self.method, self.config, device=self.device,
-                                          dtype=self.dtype, cache_dir=self.cache_dir,
-                                          trust_remote_code=self.trust_remote_code, progress=self.progress)
-        elif not isinstance(self.engine, Ensemble):
-            raise ValueError(f"engine must be an ensemble_llm.Ensemble, got {type(self.engine).__name__}")
+        # Ensemble validates members, method, config and devices and names the bad one
+        self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
+                                               device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
+                                               trust_remote_code=self.trust_remote_code, progress=self.progress)
         self.members = self.engine.model_names
         self.method = self.engine.method_name
         return self
@@ -152,7 +150,7 @@ class EnsembleLLM(FunctionCallingLLM):
             "temperature": kwargs.get("temperature", self.temperature),
             "top_p": kwargs.get("top_p", self.top_p),
             "seed": kwargs.get("seed", self.seed),
-            "stop": list(self.stop or []) + [s for s in stop if s not in (self.stop or [])],
+            "stop": [*(self.stop or []), *stop],  # duplicates are harmless: StopMatcher drops them
             "timeout": self.timeout,
             "tools": kwargs.get("tools"),
             "tool_choice": kwargs.get("tool_choice"),
