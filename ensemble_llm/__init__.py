@@ -7,12 +7,12 @@ from .engine import Ensemble, GenerationResult, TextStream, AsyncTextStream, Usa
 from .errors import (ChecksumError, ConfigError, EnsembleError, GenerationError, ModelNotFoundError, RequestError,
                      RequestTimeout)
 from .members import BUNDLED, DEFAULT_MODELS, Member
-from .methods import METHODS, SafeConfig, SingleConfig, SpecFuseConfig, UniteConfig
+from .methods import METHODS, SafeConfig, SingleConfig, SmcConfig, SpecFuseConfig, UniteConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncTextStream", "BUNDLED", "ChecksumError", "ConfigError", "DEFAULT_MODELS", "Ensemble", "EnsembleError",
     "GenerationError", "GenerationResult", "METHODS", "Member", "ModelNotFoundError", "RequestError",
-    "RequestTimeout", "SafeConfig", "SingleConfig", "SpecFuseConfig", "TextStream", "UniteConfig", "Usage",
+    "RequestTimeout", "SafeConfig", "SingleConfig", "SmcConfig", "SpecFuseConfig", "TextStream", "UniteConfig", "Usage",
 ]

@@ -375,7 +375,7 @@ class Ensemble:
                         f"the prompt is {len(ids)} tokens for {m.name}, whose context window is {m.context_window}; "
                         "shorten the prompt or drop that member.")
                 room.append(m.context_window - len(ids))
-            req = Request(prompt_ids, min(max_new, *room), params.temperature, params.top_p, generator)
+            req = Request(prompt_ids, min(max_new, *room), params.temperature, params.top_p, generator, stop=list(stops))
             matcher = StopMatcher(stops)
             gen = method.run(req)
             try:

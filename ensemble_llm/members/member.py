@@ -206,6 +206,43 @@ class Member:
         logp = torch.log_softmax(logits.float(), dim=-1)
         return [logp[r, : len(s)] for r, s in enumerate(seqs)]
 
+    # ---- many contexts at once (SMC): a prompt cache plus per-token KV slices ----------------
+    @staticmethod
+    def kv_tensor(state: KVState) -> torch.Tensor:
+        """The cache of `state` as one tensor [layers, 2, kv_heads, tokens, head_dim] (keys, values)."""
+        return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in state.cache.layers])
+
+    def forward_rows(self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]],
+                     tokens: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One forward of B single tokens, row r continuing prefix + paths[r] (a list of one-token
+        KV slices [layers, 2, heads, 1, dim], as returned here). Rows are left-padded so every key
+        keeps its true distance to the query (sliding-window layers stay exact) and the new
+        token's position is given explicitly. Returns raw logits [B, V] and the new token's KV
+        slice for every row."""
+        if not tokens or len(paths) != len(tokens):
+            raise ValueError("forward_rows needs one path per token and at least one token")
+        n_prefix = prefix_kv.shape[3]
+        lens = [len(p) for p in paths]
+        width = max(lens)
+        rows = []
+        for path in paths:
+            pad = width - len(path)
+            parts = [prefix_kv.new_zeros(*prefix_kv.shape[:3], pad, prefix_kv.shape[4])] if pad else []
+            rows.append(torch.cat(parts + [prefix_kv] + list(path), dim=3))
+        kv = torch.stack(rows, dim=2)  # [layers, 2, B, heads, T, dim]
+        cache = DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
+        mask = torch.ones((len(tokens), n_prefix + width + 1), dtype=torch.long, device=self.device)
+        for r, n in enumerate(lens):
+            mask[r, : width - n] = 0
+        logits = self._forward(
+            input_ids=torch.tensor([[int(t)] for t in tokens], device=self.device),
+            attention_mask=mask,
+            position_ids=torch.tensor([[n_prefix + n] for n in lens], device=self.device),
+            cache=cache, use_cache=True,
+        )[:, -1]
+        new = torch.stack([torch.stack([layer.keys[:, :, -1:], layer.values[:, :, -1:]]) for layer in cache.layers])
+        return logits.float(), [new[:, :, r].clone() for r in range(len(tokens))]
+
     def score_inline(self, state: KVState, candidates: Sequence[Sequence[int]],
                      raw_logits: bool = False) -> list[torch.Tensor]:
         """Log-prob (or, with `raw_logits`, the raw logit) of every token of each candidate

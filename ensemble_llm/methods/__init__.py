@@ -6,10 +6,11 @@ from ..errors import ConfigError
 from .base import Method, Request
 from .safe import Safe, SafeConfig
 from .single import Single, SingleConfig
+from .smc import Smc, SmcConfig
 from .specfuse import SpecFuse, SpecFuseConfig
 from .unite import Unite, UniteConfig
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe, SpecFuse)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe, SpecFuse, Smc)}
 
 
 def get_method(name: str) -> type[Method]:
@@ -18,5 +19,5 @@ def get_method(name: str) -> type[Method]:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "Method", "Request", "Safe", "SafeConfig", "Single", "SingleConfig", "SpecFuse", "SpecFuseConfig", "Unite", "UniteConfig",
+__all__ = ["METHODS", "Method", "Request", "Safe", "SafeConfig", "Single", "SingleConfig", "Smc", "SmcConfig", "SpecFuse", "SpecFuseConfig", "Unite", "UniteConfig",
            "get_method"]

@@ -15,8 +15,9 @@ How the planned methods fit:
   can touch is yielded.
 - specfuse: each member drafts a segment on its own KVState; `score_inline` scores all segments
   in one pass per member; the winner is yielded as soon as it is chosen.
-- smc: byte-level beams from `vocab_bytes`; `forward_batch`/`extend` over particles; the prefix
-  that all particles agree on is yielded.
+- smc: byte-level beams over each member's vocabulary trie (`bytelm.py`); `forward_rows` runs
+  all particles' new token contexts in one batched forward per member; the prefix that all
+  particles agree on is yielded.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Request:
     generator: torch.Generator | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = "length"  # the method sets "stop" when it ends on EOS
+    stop: list[str] = field(default_factory=list)  # the engine cuts these too; smc ends particles on them
 
 
 class Method(abc.ABC):

@@ -1,0 +1,358 @@
+"""A byte-level language model from a token-level member (the genlm-bytes construction, our code).
+
+Why our own and not `genlm-bytes`: genlm-bytes drives its own LM backends through an async-only
+API and steps the prompt byte by byte; SMC here needs every member's forwards batched across
+particles on our KV caches, the prompt prefilled once at token level, and K >= 2 members.
+
+The pieces:
+- `VocabTrie`: the member's vocabulary as byte strings, sorted. A trie node is a byte prefix; the
+  tokens below it are one contiguous range of the sorted list, so the probability mass under any
+  node is a difference of one cumulative sum (`Context.cs`). Special tokens are left out (never
+  spelled byte by byte); EOS ids become the end-of-sequence slot.
+- `Context`: a token context (the prompt, then generated tokens), a tree shared by all beams and
+  particles: each node holds its token's KV slice and, once computed, log p(. | context).
+- `Beam`: hypotheses (context, partial token bytes) after a byte string x, each weighted by
+  P(context) * mass(partial token). Their sum is the prefix probability P(x) marginalised over
+  tokenizations. `ByteLM.next_logprobs` gives p(b | x) over 257 slots (256 bytes + EOS) for many
+  beams at once, with one batched forward per call for all new contexts; `ByteLM.advance` consumes
+  a byte. Beams keep `beam_width` hypotheses; when none can take a byte, the best one is healed by
+  committing its partial token bytes as real tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..members import Member
+
+EOS = 256  # index of the end-of-sequence slot in next-byte vectors (257 slots)
+NEG_INF = -math.inf
+
+
+def _upper(prefix: bytes) -> bytes | None:
+    """The smallest byte string greater than every string starting with `prefix` (None: no bound)."""
+    p = prefix.rstrip(b"\xff")
+    return p[:-1] + bytes([p[-1] + 1]) if p else None
+
+
+@dataclass(frozen=True)
+class Node:
+    lo: int  # first sorted position under this prefix (tokens equal to the prefix come first)
+    end: int  # lo + number of tokens whose bytes equal the prefix exactly
+    hi: int
+    starts: np.ndarray  # [257] sorted position where the child for byte b begins; starts[256] = hi
+
+
+class VocabTrie:
+    def __init__(self, vocab_bytes: Sequence[bytes], exclude: frozenset[int], eos_ids: frozenset[int]) -> None:
+        items = sorted((b, i) for i, b in enumerate(vocab_bytes) if b and i not in exclude and i not in eos_ids)
+        self.keys = [b for b, _ in items]
+        self.ids = [i for _, i in items]
+        self.order = torch.tensor(self.ids, dtype=torch.long)
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+        self._nodes: dict[bytes, Node | None] = {}
+        self._single = {bytes([b]) for b in range(256)} <= set(self.keys)
+
+    def node(self, prefix: bytes) -> Node | None:
+        """The node for `prefix`, or None when no token starts with it."""
+        if prefix in self._nodes:
+            return self._nodes[prefix]
+        keys = self.keys
+        lo = bisect.bisect_left(keys, prefix)
+        up = _upper(prefix)
+        hi = len(keys) if up is None else bisect.bisect_left(keys, up, lo)
+        if lo >= hi:
+            self._nodes[prefix] = None
+            return None
+        end = lo
+        while end < hi and keys[end] == prefix:
+            end += 1
+        starts = np.empty(257, dtype=np.int64)
+        for b in range(256):
+            starts[b] = bisect.bisect_left(keys, prefix + bytes([b]), end, hi)
+        starts[256] = hi
+        node = Node(lo, end, hi, starts)
+        self._nodes[prefix] = node
+        return node
+
+    def split(self, data: bytes) -> list[int]:
+        """Greedy longest-match tokenization of any byte string (positions in sorted order)."""
+        out, i = [], 0
+        while i < len(data):
+            best = None
+            for j in range(i + 1, len(data) + 1):
+                node = self.node(data[i:j])
+                if node is None:
+                    break
+                if node.end > node.lo:
+                    best = (j, node.lo)
+            if best is None:
+                raise ValueError(f"no token spells byte {data[i]:#x}; this vocabulary cannot write it")
+            out.append(best[1])
+            i = best[0]
+        return out
+
+
+class Context:
+    """A token context in the tree shared by beams and particles."""
+
+    __slots__ = ("parent", "token", "depth", "kv", "cs", "root_mass", "p_eos", "children", "__weakref__")
+
+    def __init__(self, parent: "Context | None", token: int | None, kv: torch.Tensor | None = None) -> None:
+        self.parent, self.token, self.kv = parent, token, kv
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.cs: np.ndarray | None = None  # cumulative probabilities in trie order, [n+1] float64
+        self.root_mass: np.ndarray | None = None  # [256] mass of tokens starting with byte b
+        self.p_eos = 0.0
+        # weak: a child nobody's hypothesis points to any more (pruned) is freed with its KV
+        self.children: weakref.WeakValueDictionary[int, Context] = weakref.WeakValueDictionary()
+
+    def child(self, token: int) -> "Context":
+        c = self.children.get(token)
+        if c is None:
+            c = self.children[token] = Context(self, token)
+        return c
+
+    def path(self) -> list[torch.Tensor]:
+        """KV slices of the generated tokens, oldest first (the prompt is the root's kv)."""
+        out, node = [], self
+        while node.parent is not None:
+            out.append(node.kv)
+            node = node.parent
+        return out[::-1]
+
+    def mass(self, lo: int, hi: int) -> float:
+        return max(float(self.cs[hi] - self.cs[lo]), 0.0)
+
+
+@dataclass(frozen=True)
+class Hyp:
+    ctx: Context
+    partial: bytes  # bytes of the current, unfinished token (b"" only at a fresh context)
+    logp_ctx: float  # log P(ctx tokens after the prompt)
+    logw: float  # log P(ctx) + log mass(partial)
+
+
+class Beam:
+    """Hypotheses after some byte string; immutable once built (particles share beams)."""
+
+    __slots__ = ("hyps", "cands", "logq")
+
+    def __init__(self, hyps: list[Hyp]) -> None:
+        self.hyps = hyps
+        self.cands: list[Hyp] | None = None  # set by ByteLM.next_logprobs
+        self.logq: np.ndarray | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens written so far by the best hypothesis (a started partial token counts)."""
+        if not self.hyps:
+            return 0
+        h = max(self.hyps, key=lambda h: h.logw)
+        return h.ctx.depth + (1 if h.partial else 0)
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else NEG_INF
+
+
+class ByteLM:
+    """One member as a byte-level LM over 257 slots, for many beams at once."""
+
+    def __init__(self, member: Member, beam_width: int = 5, prune_threshold: float = 0.0,
+                 temperature: float = 1.0) -> None:
+        self.member = member
+        self.beam_width = beam_width
+        self.log_prune = _log(prune_threshold) if prune_threshold > 0 else NEG_INF
+        self.temperature = temperature
+        self.trie = byte_trie(member)
+        self.heals = 0
+        self.prefix_kv: torch.Tensor | None = None
+        self._filled: list[weakref.ref[Context]] = []
+        self._root_starts = self.trie.node(b"").starts
+
+    # ---- contexts --------------------------------------------------------------------------
+    def _fill(self, ctxs: list[Context], logits: torch.Tensor) -> None:
+        """Set each context's distribution from raw logits [B, V] (tempered, specials removed)."""
+        logits = logits.double() / self.temperature
+        order, eos = self.trie.order.to(logits.device), self.trie.eos.to(logits.device)
+        allowed = logits.index_select(1, order)
+        eos_l = logits.index_select(1, eos) if len(eos) else logits.new_full((len(ctxs), 1), NEG_INF)
+        lse = torch.logsumexp(torch.cat([allowed, eos_l], dim=1), dim=1, keepdim=True)
+        p = torch.exp(allowed - lse)
+        cs = torch.cat([p.new_zeros(len(ctxs), 1), torch.cumsum(p, dim=1)], dim=1).cpu().numpy()
+        p_eos = torch.exp(eos_l - lse).sum(dim=1).cpu().numpy()
+        st = self._root_starts
+        self._filled += [weakref.ref(c) for c in ctxs]
+        for r, ctx in enumerate(ctxs):
+            ctx.cs = cs[r]
+            ctx.root_mass = np.maximum(cs[r][st[1:]] - cs[r][st[:-1]], 0.0)
+            ctx.p_eos = float(p_eos[r])
+
+    def materialize(self, ctxs: list[Context]) -> None:
+        """Compute log p(. | ctx) for contexts that lack it: one batched forward over all of them."""
+        todo, seen = [], set()
+        for c in ctxs:
+            if c.cs is None and id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+        if not todo:
+            return
+        # every parent is computed before its children (the beam only ever adds one token)
+        assert all(c.parent.parent is None or c.parent.kv is not None for c in todo)
+        logits, kvs = self.member.forward_rows(self.prefix_kv, [c.parent.path() for c in todo],
+                                               [c.token for c in todo])
+        for c, kv in zip(todo, kvs):
+            c.kv = kv
+        self._fill(todo, logits)
+
+    def compact(self, beams: Sequence[Beam]) -> None:
+        """Free the distributions of contexts no hypothesis of `beams` stands on (their ancestors
+        keep only their KV): memory stays at about beam_width x particles distributions."""
+        live = {id(h.ctx) for b in beams for h in b.hyps}
+        kept = []
+        for ref in self._filled:
+            c = ref()
+            if c is None or c.cs is None:
+                continue
+            if id(c) in live:
+                kept.append(ref)
+            else:
+                c.cs = c.root_mass = None
+        self._filled = kept
+
+    def start(self, prompt_ids: Sequence[int]) -> Beam:
+        """Prefill the prompt at token level (its canonical tokens, once) and return the empty beam."""
+        state = self.member.prefill(prompt_ids)
+        self.prefix_kv = self.member.kv_tensor(state)
+        root = Context(None, None)
+        self._fill([root], state.next_logits[None])
+        return Beam([Hyp(root, b"", 0.0, 0.0)])
+
+    # ---- bytes -----------------------------------------------------------------------------
+    def _candidates(self, beam: Beam) -> list[Hyp]:
+        """Split every hypothesis into 'the token goes on' and 'the token ends here, a new one
+        starts' (one per token spelling exactly the partial bytes), then keep the best few."""
+        out = []
+        for h in beam.hyps:
+            if not h.partial:
+                out.append(h)
+                continue
+            node = self.trie.node(h.partial)
+            ctx = h.ctx
+            go_on = ctx.mass(node.end, node.hi)
+            if go_on > 0:
+                out.append(Hyp(ctx, h.partial, h.logp_ctx, h.logp_ctx + math.log(go_on)))
+            for pos in range(node.lo, node.end):
+                p = ctx.mass(pos, pos + 1)
+                if p > 0:
+                    lp = h.logp_ctx + math.log(p)
+                    out.append(Hyp(ctx.child(self.trie.ids[pos]), b"", lp, lp))
+        out.sort(key=lambda h: -h.logw)
+        kept = out[: self.beam_width]
+        if out and self.log_prune > NEG_INF:
+            floor = out[0].logw + self.log_prune
+            kept = [h for h in kept if h.logw >= floor]
+        if not any(not h.partial for h in kept):
+            # keep the best fresh-token hypothesis as well: from a token boundary every byte the
+            # vocabulary can write has probability > 0, so a narrow beam never rules text out
+            fresh = next((h for h in out if not h.partial), None)
+            if fresh is not None:
+                kept.append(fresh)
+        return kept
+
+    def _logq(self, cands: list[Hyp]) -> np.ndarray:
+        rows = []
+        for h in cands:
+            row = np.full(257, NEG_INF)
+            with np.errstate(divide="ignore"):
+                if not h.partial:
+                    row[:256] = h.logw + np.log(h.ctx.root_mass)
+                    row[EOS] = h.logw + _log(h.ctx.p_eos)
+                else:
+                    st = self.trie.node(h.partial).starts
+                    cs = h.ctx.cs
+                    row[:256] = h.logp_ctx + np.log(np.maximum(cs[st[1:]] - cs[st[:-1]], 0.0))
+            rows.append(row)
+        if not rows:
+            return np.full(257, NEG_INF)
+        m = np.logaddexp.reduce(np.stack(rows), axis=0)
+        total = np.logaddexp.reduce(m)
+        return m - total if total > NEG_INF else m
+
+    def next_logprobs(self, beams: Sequence[Beam]) -> np.ndarray:
+        """log p(b | x) for every beam, [len(beams), 257]; all new contexts in one forward."""
+        need = []
+        for beam in beams:
+            if beam.cands is None:
+                beam.cands = self._candidates(beam)
+                need += [h.ctx for h in beam.cands if h.ctx.cs is None]
+        if need:
+            self.materialize(need)
+        out = np.empty((len(beams), 257))
+        for i, beam in enumerate(beams):
+            if beam.logq is None:
+                beam.logq = self._logq(beam.cands)
+            out[i] = beam.logq
+        return out
+
+    def advance(self, beam: Beam, b: int) -> Beam:
+        """The beam after byte b (0..255); heals when no hypothesis can take it."""
+        if beam.cands is None:
+            self.next_logprobs([beam])
+        hyps = []
+        for h in beam.cands:
+            if not h.partial:
+                m = float(h.ctx.root_mass[b])
+                if m > 0:
+                    hyps.append(Hyp(h.ctx, bytes([b]), h.logp_ctx, h.logp_ctx + math.log(m)))
+                continue
+            part = h.partial + bytes([b])
+            node = self.trie.node(part)
+            if node is not None:
+                m = h.ctx.mass(node.lo, node.hi)
+                if m > 0:
+                    hyps.append(Hyp(h.ctx, part, h.logp_ctx, h.logp_ctx + math.log(m)))
+        if not hyps and beam.cands:
+            hyps = self._heal(max(beam.cands, key=lambda h: h.logw), b)
+        hyps.sort(key=lambda h: -h.logw)
+        return Beam(hyps[: self.beam_width])
+
+    def _heal(self, h: Hyp, b: int) -> list[Hyp]:
+        """Commit the hypothesis' partial bytes plus b as real tokens (greedy longest match), so
+        the beam goes on; its weight is that one tokenization's probability."""
+        self.heals += 1
+        data = h.partial + bytes([b])
+        try:
+            positions = self.trie.split(data)
+        except ValueError:  # a byte this vocabulary cannot write: the member gives the text probability 0
+            return []
+        ctx, lp = h.ctx, h.logp_ctx
+        for pos in positions[:-1]:
+            self.materialize([ctx])
+            p = ctx.mass(pos, pos + 1)
+            if p <= 0:
+                return []
+            lp += math.log(p)
+            ctx = ctx.child(self.trie.ids[pos])
+        self.materialize([ctx])
+        last = self.trie.keys[positions[-1]]
+        node = self.trie.node(last)
+        m = ctx.mass(node.lo, node.hi)
+        return [Hyp(ctx, last, lp, lp + math.log(m))] if m > 0 else []
+
+
+def byte_trie(member: Member) -> VocabTrie:
+    """The member's VocabTrie, built once per member."""
+    trie = getattr(member, "_byte_trie", None)
+    if trie is None:
+        trie = VocabTrie(member.vocab_bytes, member.special_ids, member.eos_ids)
+        member._byte_trie = trie
+    return trie

@@ -1,0 +1,300 @@
+"""`smc`: byte-level f-ensembles sampled by sequential Monte Carlo (Chan et al., arXiv 2603.05432).
+
+Target: pi_f(x) proportional to f(P_1(x), ..., P_K(x)) over complete strings x, where P_k is member
+k's byte-level probability (marginalised over its tokenizations, `bytelm.py`) and f a weighted
+power mean: product (tau -> 0), mixture (tau = 1), harmonic (tau = -1), min, max, or any tau.
+
+Particles grow byte by byte. With psi(x) = f(P_1(x), ..., P_K(x)) on prefixes, a particle at x
+draws b from q(b | x) proportional to psi(xb) over 256 bytes + EOS, and its log weight grows by
+log sum_b psi(xb) - log psi(x); the product of those ratios times q is psi(x EOS), so the weights
+make the particles a sample of pi_f. When the effective sample size falls below
+ess_threshold * N the particles are resampled (multinomial) and all get the mean weight.
+
+Efficiency: the prompt is prefilled once per member at token level; every byte step makes at
+most one batched forward per member for all new token contexts of all particles and beam
+hypotheses; particles with a common history share contexts (and their KV) in a tree.
+Streaming: the bytes all live particles agree on are final and are yielded as they grow.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, RequestError
+from .base import Method, Request
+from .bytelm import EOS, ByteLM
+
+NEG_INF = -math.inf
+F_NAMES = {"product": 0.0, "mixture": 1.0, "harmonic": -1.0, "min": -math.inf, "max": math.inf}
+
+
+@dataclass
+class SmcConfig:
+    f: str = "product"  # product | mixture | harmonic | min | max | power (then tau is required)
+    tau: float | None = None  # the power of the mean when f == "power"
+    n_particles: int = 8
+    ess_threshold: float = 0.5  # resample when ESS < ess_threshold * n_particles
+    beam_width: int = 5  # tokenization hypotheses per member and particle
+    prune_threshold: float = 0.0  # also drop hypotheses below this fraction of the best one
+    max_bytes: int | None = None  # byte budget per particle (the token budget applies as well)
+    weights: list[float] | None = None  # member weights of the mean (normalised); default equal
+    return_particles: bool = False  # put the weighted particle set in stats["particles"]
+
+    def __post_init__(self) -> None:
+        if self.f == "power":
+            if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool) or math.isnan(self.tau):
+                raise ConfigError("SmcConfig(f='power') needs a number tau (0 is the product, 1 the mixture)")
+        elif self.f not in F_NAMES:
+            raise ConfigError(f"SmcConfig.f must be one of {sorted(F_NAMES) + ['power']}, got {self.f!r}")
+        elif self.tau is not None:
+            raise ConfigError(f"SmcConfig.tau is only used with f='power' (f={self.f!r} fixes it); "
+                              "set f='power' or drop tau")
+        if not isinstance(self.n_particles, int) or self.n_particles < 1:
+            raise ConfigError(f"SmcConfig.n_particles must be an integer >= 1, got {self.n_particles!r}")
+        if not 0.0 <= self.ess_threshold <= 1.0:
+            raise ConfigError(f"SmcConfig.ess_threshold must be in [0, 1], got {self.ess_threshold!r}")
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ConfigError(f"SmcConfig.beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not 0.0 <= self.prune_threshold < 1.0:
+            raise ConfigError(f"SmcConfig.prune_threshold must be in [0, 1), got {self.prune_threshold!r}")
+        if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):
+            raise ConfigError(f"SmcConfig.max_bytes must be None or an integer >= 1, got {self.max_bytes!r}")
+        if self.weights is not None and (not self.weights or any(
+                not isinstance(w, (int, float)) or not w > 0 for w in self.weights)):
+            raise ConfigError(f"SmcConfig.weights must be positive numbers, one per member; got {self.weights!r}")
+
+    @property
+    def power(self) -> float:
+        return float(self.tau) if self.f == "power" else F_NAMES[self.f]
+
+
+def f_ensemble(logp: np.ndarray, tau: float, weights: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Log of the weighted power mean over `axis` of probabilities given as logs.
+    tau = 0: weighted geometric mean (product of experts); +-inf: max / min (weights unused)."""
+    logp = np.moveaxis(np.asarray(logp, dtype=np.float64), axis, 0)
+    w = np.asarray(weights, dtype=np.float64).reshape((-1,) + (1,) * (logp.ndim - 1))
+    if tau == math.inf:
+        return logp.max(axis=0)
+    if tau == -math.inf:
+        return logp.min(axis=0)
+    if tau == 0.0:
+        with np.errstate(invalid="ignore"):
+            out = (w * logp).sum(axis=0)
+        return np.where(np.isneginf(logp).any(axis=0), NEG_INF, out)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        z = tau * logp + np.log(w)
+        top = z.max(axis=0)
+        safe_top = np.where(np.isfinite(top), top, 0.0)
+        lse = safe_top + np.log(np.exp(z - safe_top).sum(axis=0))
+        lse = np.where(np.isfinite(top), lse, top)
+    return lse / tau
+
+
+def logsumexp(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    top = np.max(x, axis=axis, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        out = np.log(np.exp(x - safe).sum(axis=axis, keepdims=True)) + safe
+    return np.squeeze(out, axis=axis) if axis is not None else out.reshape(())[()]
+
+
+@dataclass
+class Particle:
+    states: list[Any]  # one byte-LM state per member
+    lp: np.ndarray  # [K] log P_k(text)
+    text: bytes = b""
+    logw: float = 0.0
+    done: str | None = None  # "stop" (EOS or a stop string), "length", or "dead" (psi = 0)
+
+    def copy(self) -> "Particle":
+        return Particle(list(self.states), self.lp.copy(), self.text, self.logw, self.done)
+
+
+@dataclass
+class SmcRun:
+    """State and figures of one SMC run (see `smc_sample`)."""
+
+    particles: list[Particle]
+    ess: list[float] = field(default_factory=list)
+    resamplings: int = 0
+    steps: int = 0
+
+    @property
+    def log_z(self) -> float:
+        """Estimate of log sum_x psi(x) over the strings the particles ended on."""
+        w = np.array([p.logw for p in self.particles])
+        return float(logsumexp(w) - math.log(len(w)))
+
+    def normalised(self) -> np.ndarray:
+        w = np.array([p.logw for p in self.particles])
+        total = logsumexp(w)
+        if not np.isfinite(total):
+            return np.full(len(w), 1.0 / len(w))
+        return np.exp(w - total)
+
+    def posterior(self) -> dict[bytes, float]:
+        """Normalised weight of every distinct particle text (duplicates merged)."""
+        out: dict[bytes, float] = {}
+        for p, w in zip(self.particles, self.normalised()):
+            out[p.text] = out.get(p.text, 0.0) + float(w)
+        return out
+
+
+def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights: Sequence[float],
+               n_particles: int, ess_threshold: float, generator: torch.Generator | None,
+               finished: Callable[[Particle], str | None], run: SmcRun | None = None) -> Iterator[SmcRun]:
+    """SMC over byte LMs (objects with `next_logprobs(states) -> [n, 257]` log-probs and
+    `advance(state, byte) -> state`). Yields the run after every byte step (after resampling);
+    `finished(particle)` names why a particle stops after a byte (a stop string, the budget)."""
+    K = len(lms)
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    run = run or SmcRun([Particle(list(starts), np.zeros(K)) for _ in range(n_particles)])
+    while True:
+        alive = [p for p in run.particles if p.done is None]
+        if not alive:
+            return
+        run.steps += 1
+        uniq: dict[tuple, int] = {}  # identical particles (after resampling) share one computation
+        rows = []
+        for p in alive:
+            key = tuple(id(s) for s in p.states)
+            if key not in uniq:
+                uniq[key] = len(rows)
+                rows.append(p)
+        logq = np.stack([lm.next_logprobs([p.states[k] for p in rows]) for k, lm in enumerate(lms)], axis=1)
+        lp = np.stack([p.lp for p in rows])  # [n, K]
+        joint = lp[:, :, None] + logq  # [n, K, 257]  log P_k(x b)
+        psi_next = f_ensemble(joint, tau, w, axis=1)  # [n, 257]
+        psi = f_ensemble(lp, tau, w, axis=1)  # [n]
+        total = logsumexp(psi_next, axis=1)  # [n]
+        probs = np.exp(psi_next - np.where(np.isfinite(total), total, 0.0)[:, None])
+        probs = np.where(np.isfinite(total)[:, None], probs, 0.0)
+        for p in alive:
+            r = uniq[tuple(id(s) for s in p.states)]
+            if not np.isfinite(total[r]):
+                p.logw, p.done = NEG_INF, "dead"
+                continue
+            b = int(torch.multinomial(torch.from_numpy(probs[r]), 1, generator=generator))
+            p.logw += float(total[r] - psi[r])
+            p.lp = joint[r, :, b].copy()
+            if b == EOS:
+                p.done = "stop"
+                continue
+            p.text += bytes([b])
+            p.states = [lm.advance(s, b) for lm, s in zip(lms, p.states)]
+            p.done = finished(p)
+        wn = run.normalised()
+        ess = float(1.0 / np.sum(wn ** 2))
+        run.ess.append(ess)
+        if ess < ess_threshold * len(run.particles) and any(p.done is None for p in run.particles):
+            idx = torch.multinomial(torch.from_numpy(wn), len(run.particles), replacement=True,
+                                    generator=generator).tolist()
+            mean = float(logsumexp(np.array([p.logw for p in run.particles])) - math.log(len(run.particles)))
+            run.particles = [run.particles[i].copy() for i in idx]
+            for p in run.particles:
+                p.logw = mean
+            run.resamplings += 1
+        yield run
+
+
+def common_prefix(texts: Sequence[bytes]) -> bytes:
+    if not texts:
+        return b""
+    lo, hi = min(texts), max(texts)
+    n = 0
+    while n < len(lo) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n]
+
+
+class Smc(Method):
+    name = "smc"
+    config_class = SmcConfig
+
+    def check_members(self) -> None:
+        if self.config.weights is not None and len(self.config.weights) != len(self.members):
+            raise ConfigError(f"SmcConfig.weights has {len(self.config.weights)} entries for "
+                              f"{len(self.members)} members; give one weight per member")
+
+    def run(self, req: Request) -> Iterator[str]:
+        cfg = self.config
+        if req.top_p < 1.0:
+            raise RequestError("method 'smc' samples the f-ensemble of the full distributions; top_p "
+                               f"truncation is not supported (got top_p={req.top_p}); leave top_p at 1")
+        # smc is a sampler: temperature 0 (greedy elsewhere) means the members as they are and a
+        # fixed seed, so the answer is reproducible; temperature > 0 tempers every member.
+        temperature = req.temperature if req.temperature > 0 else 1.0
+        generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
+        lms = [ByteLM(m, cfg.beam_width, cfg.prune_threshold, temperature) for m in self.members]
+        starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
+        stops = [s.encode("utf-8") for s in req.stop if s]
+        max_bytes = cfg.max_bytes or 16 * req.max_new_tokens
+        main = self.main_member()
+
+        def finished(p: Particle) -> str | None:
+            for s in stops:
+                if p.text.endswith(s):
+                    p.text = p.text[: -len(s)]
+                    return "stop"
+            if p.states[main].tokens >= req.max_new_tokens or len(p.text) >= max_bytes:
+                return "length"
+            return None
+
+        weights = cfg.weights or [1.0] * len(lms)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sent = 0
+        run = None
+        # a stop string can only be cut from the end of a particle's text: hold that many bytes back
+        hold = max((len(s) for s in stops), default=1) - 1
+        for run in smc_sample(lms, starts, tau=cfg.power, weights=weights, n_particles=cfg.n_particles,
+                              ess_threshold=cfg.ess_threshold, generator=generator, finished=finished):
+            live = [p for p in run.particles if p.logw > NEG_INF] or run.particles
+            agreed = common_prefix([p.text for p in live])
+            unfinished = any(p.done is None for p in live)
+            upto = len(agreed) - hold if unfinished else len(agreed)
+            if upto > sent:
+                piece = decoder.decode(agreed[sent:upto])
+                sent = upto
+                if piece:
+                    yield piece
+            for k, lm in enumerate(lms):
+                lm.compact([p.states[k] for p in run.particles if p.done is None])
+        best = self._pick(run)
+        tail = decoder.decode(best.text[sent:], final=True)
+        if tail:
+            yield tail
+        req.finish_reason = "stop" if best.done in ("stop", "dead") else "length"
+        text = best.text.decode("utf-8", errors="replace")
+        post = run.posterior()
+        req.stats.update({
+            "tokens_out": len(self.members[main].encode(text)) if text else 0,
+            "bytes_out": len(best.text),
+            "smc_steps": run.steps,
+            "resamplings": run.resamplings,
+            "ess": [round(e, 3) for e in run.ess],
+            "log_z": run.log_z,
+            "heals": sum(lm.heals for lm in lms),
+            "f": cfg.f if cfg.f != "power" else f"power({cfg.tau:g})",
+            "n_particles": cfg.n_particles,
+            "distinct_texts": len(post),
+            "best_weight": round(post[best.text], 4),
+        })
+        if cfg.return_particles:
+            req.stats["particles"] = [
+                {"text": p.text.decode("utf-8", errors="replace"), "weight": float(w), "finish": p.done}
+                for p, w in zip(run.particles, run.normalised())]
+
+    @staticmethod
+    def _pick(run: SmcRun) -> Particle:
+        """The text with the largest total weight (duplicates merged); ties go to the text the
+        members jointly find more probable (sum of their log-probabilities)."""
+        post = run.posterior()
+        return max(run.particles, key=lambda p: (post[p.text], float(p.lp.sum())))
