@@ -1,4 +1,4 @@
-"""`ensemble-llm`: generate | models list | models pull."""
+"""`ensemble-llm`: generate | models list | models pull | bench."""
 
 from __future__ import annotations
 
@@ -71,6 +71,35 @@ def _cmd_models_pull(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from . import DEFAULT_MODELS, EnsembleError
+    from .bench import BUNDLED_TASKS, parse_methods, resolve_task, run_bench, write
+
+    models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: the bench needs the bench extra: pip install \"ensemble-llm[bench]\"", file=sys.stderr)
+        return 2
+    try:
+        specs = parse_methods(args.methods, len(models))
+        tasks = [] if args.no_tasks else [resolve_task(t, args.examples) for t in (args.tasks or BUNDLED_TASKS)]
+        t0 = time.perf_counter()
+        results = run_bench(models, specs, tasks, speed_prompts=args.speed_prompts,
+                            max_new_tokens=args.max_new_tokens, third_member=args.third_member,
+                            device=args.device, progress=not args.quiet)
+        paths = write(results, Path(args.out))
+    except EnsembleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(Path(args.out, "results.md").read_text())
+    print(f"[ensemble-llm] wrote {', '.join(map(str, paths))} in {(time.perf_counter() - t0) / 60:.1f} min",
+          file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ensemble-llm", description="Ensembles of local causal LMs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -93,6 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
     mp = msub.add_parser("pull", help="fetch and convert bundled models (default: the default pair)")
     mp.add_argument("names", nargs="*")
     mp.set_defaults(func=_cmd_models_pull)
+    b = sub.add_parser("bench", help="speed, cost and quality of every method side by side, with plots",
+                       description="Runs every method on the same prompts, interleaved, and writes results.json, "
+                                   "results.md and PNG plots. Methods: names with optional config, e.g. "
+                                   "'single' (one per member), 'safe', 'smc:f=min,n_particles=4'.")
+    b.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    b.add_argument("--methods", nargs="+", default=["single", "unite", "safe", "specfuse", "smc"])
+    b.add_argument("--tasks", nargs="+", default=None,
+                   help="bundled task names or files in the BIG-bench jsonl format, each optionally NAME:N "
+                        "(default: the bundled qa_wikidata, periodic_elements and tense dev samples)")
+    b.add_argument("--no-tasks", action="store_true", help="speed figures only")
+    b.add_argument("--examples", type=int, default=20, help="scored examples per task (after 3 shots)")
+    b.add_argument("--speed-prompts", type=int, default=5, help="chat prompts for the speed figures (max 20)")
+    b.add_argument("--max-new-tokens", type=int, default=64, help="budget of each speed prompt")
+    b.add_argument("--third-member", default=None,
+                   help="also run every ensemble method with this third member, e.g. qwen2.5-coder-1.5b-instruct")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--out", default="bench-results")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -181,10 +181,10 @@ class ByteLM:
     # ---- contexts --------------------------------------------------------------------------
     def _fill(self, ctxs: list[Context], logits: torch.Tensor) -> None:
         """Set each context's distribution from raw logits [B, V] (tempered, specials removed)."""
-        logits = logits.double() / self.temperature
         order, eos = self.trie.order.to(logits.device), self.trie.eos.to(logits.device)
-        allowed = logits.index_select(1, order)
-        eos_l = logits.index_select(1, eos) if len(eos) else logits.new_full((len(ctxs), 1), NEG_INF)
+        allowed = logits.index_select(1, order).double() / self.temperature
+        eos_l = (logits.index_select(1, eos).double() / self.temperature if len(eos)
+                 else allowed.new_full((len(ctxs), 1), NEG_INF))
         lse = torch.logsumexp(torch.cat([allowed, eos_l], dim=1), dim=1, keepdim=True)
         p = torch.exp(allowed - lse)
         cs = torch.cat([p.new_zeros(len(ctxs), 1), torch.cumsum(p, dim=1)], dim=1).cpu().numpy()

@@ -41,7 +41,9 @@ class SmcConfig:
     n_particles: int = 8
     ess_threshold: float = 0.5  # resample when ESS < ess_threshold * n_particles
     beam_width: int = 5  # tokenization hypotheses per member and particle
-    prune_threshold: float = 0.0  # also drop hypotheses below this fraction of the best one
+    # also drop tokenization hypotheses below this fraction of the best one: each carries under
+    # 0.1% of the prefix mass, and dropping them halves the batched rows (0 = beam width only)
+    prune_threshold: float = 1e-3
     max_bytes: int | None = None  # byte budget per particle (the token budget applies as well)
     weights: list[float] | None = None  # member weights of the mean (normalised); default equal
     return_particles: bool = False  # put the weighted particle set in stats["particles"]

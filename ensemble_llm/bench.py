@@ -1,0 +1,373 @@
+"""`ensemble-llm bench`: speed, cost and quality of every method side by side, in one run.
+
+Every method gets the same prompts, interleaved (prompt by prompt, every method in turn) so that
+machine noise hits all alike:
+- speed prompts (chat, `max_new_tokens`): time per output token (the first member's tokens) and
+  its ratio to the drafter's `single`, time to the first streamed chunk, forward passes per member
+  per output token, peak memory, and each method's own figures (E/T for safe/unite, Hedge weights
+  for specfuse, ESS and resamplings for smc);
+- task files in the BIG-bench format (`{"input", "targets"}` per line): the first 3 lines are the
+  shots of one "Q:/A:" prompt used by every method, the next `examples` lines are scored by exact
+  match (case-insensitive, whitespace and a trailing period ignored), greedy, first line only.
+Writes results.json, results.md and PNG plots (quality vs time per token; time per token vs
+number of members) into the output folder. Needs the `bench` extra (matplotlib, tqdm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .engine import Ensemble
+from .errors import ConfigError
+from .methods import get_method
+
+SPEED_PROMPTS = [
+    "What is the capital of France?", "Explain why the sky is blue.", "Write a short poem about autumn.",
+    "Give three tips for staying healthy.", "What is photosynthesis?", "Describe a cat to a child.",
+    "How do airplanes fly?", "Summarize the story of Cinderella.", "What are prime numbers?",
+    "Write a haiku about the sea.", "Why do we have seasons?", "Name five fruits and their colours.",
+    "What does a computer's CPU do?", "Explain gravity in simple words.", "How do you make a cup of tea?",
+    "What is the tallest mountain in the world?", "Write a thank-you note to a friend.",
+    "What is the difference between weather and climate?", "List the planets of the solar system.",
+    "Why is reading important?",
+]
+DEFAULT_METHODS = ("single", "unite", "safe", "specfuse", "smc")
+BUNDLED_TASKS = ("qa_wikidata", "periodic_elements", "tense")
+
+
+def bundled_task(name: str) -> Path:
+    """A dev task file shipped with the package (the first 203 lines of the BIG-bench dev split)."""
+    return Path(str(resources.files("ensemble_llm") / "data" / f"{name}_dev.jsonl"))
+
+
+def norm(s: str) -> str:
+    return re.sub(r"\.$", "", s.strip().splitlines()[0].strip() if s.strip() else "").lower()
+
+
+@dataclass
+class MethodSpec:
+    label: str
+    method: str
+    config: dict[str, Any] = field(default_factory=dict)
+    members: list[str] | None = None  # None: the run's models
+
+
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def parse_methods(specs: Sequence[str], n_members: int) -> list[MethodSpec]:
+    """'single' (one per member), 'single:member=1', 'smc:f=min,n_particles=4', 'safe', ..."""
+    out: list[MethodSpec] = []
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        get_method(name)  # names the valid methods when unknown
+        cfg: dict[str, Any] = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, val = item.partition("=")
+            if not eq:
+                raise ConfigError(f"method option {item!r} in {spec!r} must look like key=value")
+            cfg[key.strip()] = _value(val.strip())
+        if name == "single" and "member" not in cfg:
+            out += [MethodSpec(f"single-{i}", "single", {"member": i}) for i in range(n_members)]
+            continue
+        label = name + (":" + ",".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "")
+        if name == "single":
+            label = f"single-{cfg['member']}"
+        out.append(MethodSpec(label, name, cfg))
+    if not out:
+        raise ConfigError("no methods to benchmark; give at least one, e.g. --methods single safe")
+    return out
+
+
+class PeakMemory:
+    """Peak memory while a block runs: CUDA allocator peak on GPU, else resident set size sampled
+    every 10 ms from /proc (Linux) - a process figure, so it includes the models already loaded."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):  # not Linux: the process's lifetime peak
+            import resource
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        self._stop = threading.Event()
+        self.peak = self.rss()
+
+        def sample() -> None:
+            while not self._stop.wait(0.01):
+                self.peak = max(self.peak, self.rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.rss())
+
+
+def resolve_task(item: str, default_n: int) -> tuple[Path, int]:
+    """'qa_wikidata', 'qa_wikidata:200' or 'path/to/task.jsonl[:N]' -> (file, examples)."""
+    name, n = item, default_n
+    head, sep, tail = item.rpartition(":")
+    if sep and tail.isdigit():
+        name, n = head, int(tail)
+    path = bundled_task(name) if name in BUNDLED_TASKS else Path(name)
+    if not path.is_file():
+        raise ConfigError(f"task {name!r} is neither a bundled task ({', '.join(BUNDLED_TASKS)}) nor a file")
+    return path, n
+
+
+def load_task(path: Path, n: int) -> tuple[str, list[dict]]:
+    lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+    if len(lines) < 4:
+        raise ConfigError(f"task file {path} needs at least 4 lines (3 shots + 1 example), has {len(lines)}")
+    shots = "".join(f"Q: {x['input'].strip()}\nA: {x['targets'][0]}\n" for x in lines[:3])
+    return shots, lines[3: 3 + n]
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - the bench extra brings tqdm
+        tqdm = None
+    if tqdm is None or not enabled:
+        class _Null:
+            def update(self, n=1): ...
+            def set_postfix_str(self, s): ...
+            def close(self): ...
+        return _Null()
+    return tqdm(total=total, unit="gen", dynamic_ncols=True)
+
+
+def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Sequence[tuple[Path, int]], *, speed_prompts: int = 5, max_new_tokens: int = 64,
+              third_member: str | None = None, device: str = "auto", progress: bool = True) -> dict:
+    """Run the benchmark and return the results dict (see module docstring)."""
+    models = list(models)
+    specs = list(methods)
+    if third_member:  # the members-scaling section: every ensemble method again with 3 members
+        specs += [MethodSpec(s.label + "+3", s.method, s.config, models + [third_member])
+                  for s in methods if s.method != "single"]
+    engines = {s.label: Ensemble(s.members or models, s.method, s.config, device=device, progress=progress)
+               for s in specs}
+    for eng in engines.values():
+        eng.load()
+        eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
+    first = next(iter(engines.values())).members
+    task_data = {Path(t).stem.removesuffix("_dev"): load_task(Path(t), n) for t, n in tasks}
+    n_gen = len(engines) * (speed_prompts + sum(len(ex) for _, ex in task_data.values()))
+    bar = _progress(n_gen, progress)
+    speed = {k: {"time": 0.0, "tokens": 0, "ttfc": [], "fwd": {}, "peak": 0, "extra": []} for k in engines}
+    t_start = time.perf_counter()
+    for p in SPEED_PROMPTS[:speed_prompts]:
+        for key, eng in engines.items():
+            with PeakMemory(eng.members[0].device) as mem:
+                r = eng.generate(p, max_new_tokens=max_new_tokens)
+            s = speed[key]
+            s["time"] += r.stats["time_s"]
+            s["tokens"] += r.stats.get("tokens_out", 0)
+            s["ttfc"].append(r.stats["time_to_first_chunk_s"] or r.stats["time_s"])
+            s["peak"] = max(s["peak"], mem.peak)
+            for name, f in r.stats["members"].items():
+                s["fwd"][name] = s["fwd"].get(name, 0) + f["forward_passes"]
+            s["extra"].append(r.stats)
+            bar.update()
+            bar.set_postfix_str(f"speed: {key}")
+    quality: dict[str, dict[str, Any]] = {}
+    for task, (shots, exs) in task_data.items():
+        main = first[0]
+        longest = max(len(main.encode(t)) for ex in exs for t in ex["targets"])
+        budget = min(64, longest + 4)
+        right = dict.fromkeys(engines, 0)
+        seconds = dict.fromkeys(engines, 0.0)
+        samples: dict[str, list] = {k: [] for k in engines}
+        for ex in exs:
+            prompt = shots + f"Q: {ex['input'].strip()}\nA:"
+            gold = {norm(t) for t in ex["targets"]}
+            for key, eng in engines.items():
+                res = eng.generate(prompt, max_new_tokens=budget, raw=True, stop=["\n"])
+                out = res.text
+                seconds[key] += res.stats["time_s"]
+                ok = norm(out) in gold
+                right[key] += ok
+                if len(samples[key]) < 3:
+                    samples[key].append({"input": ex["input"], "output": out.strip(), "correct": ok})
+                bar.update()
+                bar.set_postfix_str(f"{task}: {key}")
+        quality[task] = {"examples": len(exs), "max_new_tokens": budget,
+                         "accuracy": {k: v / max(1, len(exs)) for k, v in right.items()},
+                         "seconds": {k: round(v, 2) for k, v in seconds.items()}, "samples": samples}
+    bar.close()
+    total_s = time.perf_counter() - t_start
+
+    base = "single-0" if "single-0" in engines else None
+    results: dict[str, Any] = {
+        "models": models, "third_member": third_member,
+        "devices": sorted({str(m.device) for e in engines.values() for m in e.members}),
+        "dtype": str(first[0].dtype), "torch": torch.__version__, "machine": platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "speed_prompts": speed_prompts, "max_new_tokens": max_new_tokens,
+        "examples_per_task": {t: q["examples"] for t, q in quality.items()},
+        "wall_time_s": round(total_s, 1), "methods": {},
+    }
+    for spec in specs:
+        key = spec.label
+        s = speed[key]
+        per_tok = s["time"] / max(1, s["tokens"])
+        row: dict[str, Any] = {
+            "method": spec.method, "config": spec.config,
+            "members": 1 if spec.method == "single" else len(engines[key].members),
+            "time_per_token_s": per_tok, "tokens": s["tokens"],
+            "time_to_first_chunk_s": statistics.median(s["ttfc"]) if s["ttfc"] else None,
+            "forward_passes_per_token": {n: v / max(1, s["tokens"]) for n, v in s["fwd"].items()},
+            "peak_memory_mb": round(s["peak"] / 2**20, 1),
+            "accuracy": {t: q["accuracy"][key] for t, q in quality.items()},
+            "task_seconds": {t: q["seconds"][key] for t, q in quality.items()},
+            "speed_seconds": round(s["time"], 2),
+        }
+        if quality:
+            row["mean_accuracy"] = statistics.mean(row["accuracy"].values())
+        row.update(_method_figures(spec.method, s["extra"]))
+        results["methods"][key] = row
+    if base:
+        for row in results["methods"].values():
+            row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
+    results["samples"] = {t: q["samples"] for t, q in quality.items()}
+    return results
+
+
+def _method_figures(method: str, stats: list[dict]) -> dict[str, Any]:
+    if not stats:
+        return {}
+    if method in ("safe", "unite"):
+        out = sum(s.get("tokens_out", 0) for s in stats)
+        ens = sum(s.get("tokens_ensembled", 0) for s in stats)
+        return {"ensembled_fraction": ens / max(1, out)}
+    if method == "specfuse":
+        names = list(stats[0].get("weights", {}))
+        return {"hedge_weights_mean": {n: statistics.mean(s["weights"][n] for s in stats) for n in names}}
+    if method == "smc":
+        ess = [e for s in stats for e in s.get("ess", [])]
+        steps = sum(s.get("smc_steps", 0) for s in stats)
+        return {"ess_mean": statistics.mean(ess) if ess else None,
+                "resamplings_per_step": sum(s.get("resamplings", 0) for s in stats) / max(1, steps),
+                "bytes_out": sum(s.get("bytes_out", 0) for s in stats), "smc_steps": steps}
+    return {}
+
+
+def markdown(results: dict) -> str:
+    tasks = list(next(iter(results["methods"].values()))["accuracy"]) if results["methods"] else []
+    head = ["method", "members", "s/token", "x single-0", "TTFC s", "fwd/token", "peak MB"] + tasks + ["figures"]
+    lines = [f"# ensemble-llm bench: {', '.join(results['models'])} on {', '.join(results['devices'])}", "",
+             f"{results['speed_prompts']} speed prompts x {results['max_new_tokens']} new tokens; task examples "
+             f"(3-shot, exact match): {', '.join(f'{t} {n}' for t, n in results['examples_per_task'].items()) or 'none'}; "
+             f"whole run {results['wall_time_s'] / 60:.1f} min.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in results["methods"].items():
+        fwd = ", ".join(f"{v:.2f}" for v in r["forward_passes_per_token"].values())
+        figs = []
+        if "ensembled_fraction" in r:
+            figs.append(f"E/T {r['ensembled_fraction']:.0%}")
+        if "hedge_weights_mean" in r:
+            figs.append("Hedge " + "/".join(f"{w:.2f}" for w in r["hedge_weights_mean"].values()))
+        if r.get("ess_mean") is not None:
+            figs.append(f"ESS {r['ess_mean']:.1f}, resample/step {r['resamplings_per_step']:.2f}")
+        ttfc = r["time_to_first_chunk_s"]
+        cells = [label, str(r["members"]), f"{r['time_per_token_s']:.4f}",
+                 f"{r['ratio_to_single_0']:.2f}" if "ratio_to_single_0" in r else "",
+                 "" if ttfc is None else f"{ttfc:.2f}", fwd, f"{r['peak_memory_mb']:.0f}"]
+        cells += [f"{r['accuracy'][t]:.1%}" for t in tasks] + ["; ".join(figs)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "fwd/token: forward passes per output token, one figure per member (batched forwards count once). "
+              "Peak MB: CUDA allocator peak on GPU; on CPU the process's resident memory, models included."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    rows = results["methods"]
+    if any("mean_accuracy" in r for r in rows.values()):
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for label, r in rows.items():
+            if r["members"] > len(results["models"]):
+                continue
+            ax.scatter(r["time_per_token_s"], r["mean_accuracy"] * 100, s=40)
+            ax.annotate(label, (r["time_per_token_s"], r["mean_accuracy"] * 100), fontsize=8,
+                        xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel("seconds per output token")
+        ax.set_ylabel("mean exact-match accuracy over tasks (%)")
+        ax.set_title(f"Quality vs time ({', '.join(results['devices'])})")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / "quality_vs_time.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        made.append(path)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    by_method: dict[str, list[tuple[int, float]]] = {}
+    for label, r in rows.items():
+        name = "single" if r["method"] == "single" else label.removesuffix("+3")
+        if r["method"] == "single" and label != "single-0":
+            continue
+        by_method.setdefault(name, []).append((r["members"], r["time_per_token_s"]))
+    single = by_method.pop("single", [])
+    for name, pts in by_method.items():
+        pts = sorted(single + pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("members")
+    ax.set_ylabel("seconds per output token")
+    ax.set_xticks(sorted({p[0] for pts in by_method.values() for p in pts} | {p[0] for p in single}))
+    ax.set_title("Time per token vs number of members (1 = single drafter)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "time_vs_members.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    made.append(path)
+    return made
+
+
+def write(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(markdown(results))
+    return [out / "results.json", out / "results.md"] + plots(results, out)
