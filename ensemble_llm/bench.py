@@ -43,8 +43,10 @@ SPEED_PROMPTS = [
     "What is the difference between weather and climate?", "List the planets of the solar system.",
     "Why is reading important?",
 ]
-DEFAULT_METHODS = ("single", "unite", "safe", "specfuse", "smc")
+# the defaults of `ensemble-llm bench`: about 21 minutes for the bundled pair on 2 CPU cores
+DEFAULT_METHODS = ("single", "unite", "safe", "specfuse", "smc:n_particles=4")
 BUNDLED_TASKS = ("qa_wikidata", "periodic_elements", "tense")
+DEFAULT_TASKS = ("qa_wikidata:100", "periodic_elements:20", "tense:5")
 
 
 def bundled_task(name: str) -> Path:
@@ -189,7 +191,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
     task_data = {Path(t).stem.removesuffix("_dev"): load_task(Path(t), n) for t, n in tasks}
     n_gen = len(engines) * (speed_prompts + sum(len(ex) for _, ex in task_data.values()))
     bar = _progress(n_gen, progress)
-    speed = {k: {"time": 0.0, "tokens": 0, "ttfc": [], "fwd": {}, "peak": 0, "extra": []} for k in engines}
+    speed = {k: {"time": 0.0, "tokens": 0, "bytes": 0, "ttfc": [], "fwd": {}, "peak": 0, "extra": []} for k in engines}
     t_start = time.perf_counter()
     for p in SPEED_PROMPTS[:speed_prompts]:
         for key, eng in engines.items():
@@ -198,6 +200,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             s = speed[key]
             s["time"] += r.stats["time_s"]
             s["tokens"] += r.stats.get("tokens_out", 0)
+            s["bytes"] += len(r.text.encode("utf-8"))
             s["ttfc"].append(r.stats["time_to_first_chunk_s"] or r.stats["time_s"])
             s["peak"] = max(s["peak"], mem.peak)
             for name, f in r.stats["members"].items():
@@ -253,13 +256,15 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             "time_per_token_s": per_tok, "tokens": s["tokens"],
             "time_to_first_chunk_s": statistics.median(s["ttfc"]) if s["ttfc"] else None,
             "forward_passes_per_token": {n: v / max(1, s["tokens"]) for n, v in s["fwd"].items()},
+            "bytes_per_s": s["bytes"] / s["time"] if s["time"] else None,
+            "forward_passes_per_byte": {n: v / max(1, s["bytes"]) for n, v in s["fwd"].items()},
             "peak_memory_mb": round(s["peak"] / 2**20, 1),
             "accuracy": {t: q["accuracy"][key] for t, q in quality.items()},
             "task_seconds": {t: q["seconds"][key] for t, q in quality.items()},
             "speed_seconds": round(s["time"], 2),
         }
         if quality:
-            row["mean_accuracy"] = statistics.mean(row["accuracy"].values())
+            row["pooled_accuracy"] = pooled(row["accuracy"], results["examples_per_task"])
         row.update(_method_figures(spec.method, s["extra"]))
         results["methods"][key] = row
     if base:
@@ -267,6 +272,12 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
     results["samples"] = {t: q["samples"] for t, q in quality.items()}
     return results
+
+
+def pooled(accuracy: dict[str, float], examples: dict[str, int]) -> float:
+    """Accuracy over all scored examples of all tasks together."""
+    n = sum(examples[t] for t in accuracy)
+    return sum(accuracy[t] * examples[t] for t in accuracy) / n if n else 0.0
 
 
 def _method_figures(method: str, stats: list[dict]) -> dict[str, Any]:
@@ -290,11 +301,13 @@ def _method_figures(method: str, stats: list[dict]) -> dict[str, Any]:
 
 def markdown(results: dict) -> str:
     tasks = list(next(iter(results["methods"].values()))["accuracy"]) if results["methods"] else []
-    head = ["method", "members", "s/token", "x single-0", "TTFC s", "fwd/token", "peak MB"] + tasks + ["figures"]
+    head = ["method", "members", "s/token", "x single-0", "bytes/s", "TTFC s", "fwd/token", "fwd/byte",
+            "peak MB"] + tasks + (["pooled"] if tasks else []) + ["figures"]
     lines = [f"# ensemble-llm bench: {', '.join(results['models'])} on {', '.join(results['devices'])}", "",
              f"{results['speed_prompts']} speed prompts x {results['max_new_tokens']} new tokens; task examples "
              f"(3-shot, exact match): {', '.join(f'{t} {n}' for t, n in results['examples_per_task'].items()) or 'none'}; "
              f"whole run {results['wall_time_s'] / 60:.1f} min.", "",
+             *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, r in results["methods"].items():
         fwd = ", ".join(f"{v:.2f}" for v in r["forward_passes_per_token"].values())
@@ -306,12 +319,18 @@ def markdown(results: dict) -> str:
         if r.get("ess_mean") is not None:
             figs.append(f"ESS {r['ess_mean']:.1f}, resample/step {r['resamplings_per_step']:.2f}")
         ttfc = r["time_to_first_chunk_s"]
+        fwd_b = ", ".join(f"{v:.2f}" for v in r.get("forward_passes_per_byte", {}).values())
+        bps = r.get("bytes_per_s")
         cells = [label, str(r["members"]), f"{r['time_per_token_s']:.4f}",
                  f"{r['ratio_to_single_0']:.2f}" if "ratio_to_single_0" in r else "",
-                 "" if ttfc is None else f"{ttfc:.2f}", fwd, f"{r['peak_memory_mb']:.0f}"]
-        cells += [f"{r['accuracy'][t]:.1%}" for t in tasks] + ["; ".join(figs)]
+                 "" if bps is None else f"{bps:.1f}", "" if ttfc is None else f"{ttfc:.2f}", fwd, fwd_b,
+                 f"{r['peak_memory_mb']:.0f}"]
+        cells += [f"{r['accuracy'][t]:.1%}" for t in tasks]
+        cells += [f"{pooled(r['accuracy'], results['examples_per_task']):.1%}"] if tasks else []
+        cells += ["; ".join(figs)]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "fwd/token: forward passes per output token, one figure per member (batched forwards count once). "
+    lines += ["", "fwd/token, fwd/byte: forward passes per output token (first member's tokens) or UTF-8 byte, one "
+              "figure per member (a batched forward counts once). "
               "Peak MB: CUDA allocator peak on GPU; on CPU the process's resident memory, models included."]
     return "\n".join(lines) + "\n"
 
@@ -324,16 +343,20 @@ def plots(results: dict, out: Path) -> list[Path]:
 
     made = []
     rows = results["methods"]
-    if any("mean_accuracy" in r for r in rows.values()):
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    if results["examples_per_task"]:
+        fig, ax = plt.subplots(figsize=(7.2, 4.8))
+        seen: dict[tuple[float, float], int] = {}
         for label, r in rows.items():
             if r["members"] > len(results["models"]):
                 continue
-            ax.scatter(r["time_per_token_s"], r["mean_accuracy"] * 100, s=40)
-            ax.annotate(label, (r["time_per_token_s"], r["mean_accuracy"] * 100), fontsize=8,
-                        xytext=(4, 3), textcoords="offset points")
-        ax.set_xlabel("seconds per output token")
-        ax.set_ylabel("mean exact-match accuracy over tasks (%)")
+            x, y = r["time_per_token_s"], pooled(r["accuracy"], results["examples_per_task"]) * 100
+            ax.scatter(x, y, s=40)
+            # labels of nearby points are stacked, not overprinted
+            spot = (round(20 * x / max(v["time_per_token_s"] for v in rows.values())), round(y / 2))
+            k = seen[spot] = seen.get(spot, -1) + 1
+            ax.annotate(label, (x, y), fontsize=8, xytext=(5, 3 - 10 * k), textcoords="offset points")
+        ax.set_xlabel("seconds per output token (speed prompts)")
+        ax.set_ylabel("exact-match accuracy, all task examples pooled (%)")
         ax.set_title(f"Quality vs time ({', '.join(results['devices'])})")
         ax.grid(alpha=0.3)
         fig.tight_layout()

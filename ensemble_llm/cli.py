@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -75,7 +76,7 @@ def _cmd_bench(args) -> int:
     from pathlib import Path
 
     from . import DEFAULT_MODELS, EnsembleError
-    from .bench import BUNDLED_TASKS, parse_methods, resolve_task, run_bench, write
+    from .bench import parse_methods, resolve_task, run_bench, write
 
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     try:
@@ -85,11 +86,12 @@ def _cmd_bench(args) -> int:
         return 2
     try:
         specs = parse_methods(args.methods, len(models))
-        tasks = [] if args.no_tasks else [resolve_task(t, args.examples) for t in (args.tasks or BUNDLED_TASKS)]
+        tasks = [] if args.no_tasks else [resolve_task(t, args.examples) for t in (args.tasks or DEFAULT_TASKS)]
         t0 = time.perf_counter()
         results = run_bench(models, specs, tasks, speed_prompts=args.speed_prompts,
                             max_new_tokens=args.max_new_tokens, third_member=args.third_member,
                             device=args.device, progress=not args.quiet)
+        results["command"] = "ensemble-llm " + " ".join(shlex.quote(a) for a in args.argv)
         paths = write(results, Path(args.out))
     except EnsembleError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -98,6 +100,9 @@ def _cmd_bench(args) -> int:
     print(f"[ensemble-llm] wrote {', '.join(map(str, paths))} in {(time.perf_counter() - t0) / 60:.1f} min",
           file=sys.stderr)
     return 0
+
+
+from .bench import DEFAULT_METHODS, DEFAULT_TASKS  # noqa: E402  (light: no model code runs at import)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,14 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "results.md and PNG plots. Methods: names with optional config, e.g. "
                                    "'single' (one per member), 'safe', 'smc:f=min,n_particles=4'.")
     b.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
-    b.add_argument("--methods", nargs="+", default=["single", "unite", "safe", "specfuse", "smc"])
+    b.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                   help=f"default: {' '.join(DEFAULT_METHODS)}")
     b.add_argument("--tasks", nargs="+", default=None,
                    help="bundled task names or files in the BIG-bench jsonl format, each optionally NAME:N "
-                        "(default: the bundled qa_wikidata, periodic_elements and tense dev samples)")
+                        f"(default: {' '.join(DEFAULT_TASKS)}, bundled BIG-bench dev samples)")
     b.add_argument("--no-tasks", action="store_true", help="speed figures only")
-    b.add_argument("--examples", type=int, default=20, help="scored examples per task (after 3 shots)")
-    b.add_argument("--speed-prompts", type=int, default=5, help="chat prompts for the speed figures (max 20)")
-    b.add_argument("--max-new-tokens", type=int, default=64, help="budget of each speed prompt")
+    b.add_argument("--examples", type=int, default=20, help="scored examples of a task given without :N")
+    b.add_argument("--speed-prompts", type=int, default=3, help="chat prompts for the speed figures (max 20)")
+    b.add_argument("--max-new-tokens", type=int, default=40, help="budget of each speed prompt")
     b.add_argument("--third-member", default=None,
                    help="also run every ensemble method with this third member, e.g. qwen2.5-coder-1.5b-instruct")
     b.add_argument("--device", default="auto")
@@ -147,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

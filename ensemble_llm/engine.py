@@ -125,7 +125,7 @@ class Ensemble:
 
     members: bundled names, local folders, local .gguf files or cached hub ids (default: the
         bundled SmolLM2-135M-Instruct + Gemma-3-270M pair; the first member drafts).
-    method: "single", "unite", "safe", "specfuse" (default: "safe" for 2+ members, else "single");
+    method: "single", "unite", "safe", "specfuse", "smc" (default: "safe" for 2+ members, else "single");
         config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype / name.

@@ -15,11 +15,28 @@ SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma-3-270m"
 
 
+# On a GPU machine without the bundled weights (ENSEMBLE_LLM_TEST_TOKENIZERS: a folder holding
+# <name>/ with the tokenizer files only), the tiny-model tests still run; deselect `real` there.
+# ENSEMBLE_LLM_TEST_FP32=1 keeps "auto" dtype at float32 on CUDA so exactness tests keep 1e-5.
+if os.environ.get("ENSEMBLE_LLM_TEST_FP32"):
+    from ensemble_llm.members import loader as _loader
+
+    _resolve = _loader.resolve_dtype
+    _loader.resolve_dtype = lambda dtype, device: torch.float32 if dtype in (None, "auto") else _resolve(dtype, device)
+    import ensemble_llm.engine as _engine
+
+    _engine.resolve_dtype = _loader.resolve_dtype
+
+
 @pytest.fixture(scope="session")
 def real_dirs():
     """Converted folders of the bundled pair (fetched and converted once per machine)."""
+    from pathlib import Path
+
     from ensemble_llm.members.loader import local_dir, resolve_source
 
+    if os.environ.get("ENSEMBLE_LLM_TEST_TOKENIZERS"):
+        return {name: Path(os.environ["ENSEMBLE_LLM_TEST_TOKENIZERS"]) / name for name in (SMOL, GEMMA)}
     return {name: local_dir(resolve_source(name), progress=False) for name in (SMOL, GEMMA)}
 
 

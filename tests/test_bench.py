@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ensemble_llm import ConfigError
 from ensemble_llm.bench import (BUNDLED_TASKS, bundled_task, load_task, markdown, norm, parse_methods,
@@ -41,7 +42,8 @@ def test_run_writes_table_json_and_plots(tiny_dirs, tmp_path):
     assert set(rows) == {"single-0", "single-1", "safe", "smc:n_particles=2"}
     assert rows["single-0"]["ratio_to_single_0"] == 1.0 and rows["single-0"]["members"] == 1
     assert rows["safe"]["members"] == 2 and "ensembled_fraction" in rows["safe"]
-    assert rows["smc:n_particles=2"]["ess_mean"] is not None and res["devices"] == ["cpu"]
+    assert rows["smc:n_particles=2"]["ess_mean"] is not None
+    assert res["devices"] == ["cuda:0" if torch.cuda.is_available() else "cpu"]
     assert all(0 <= r["accuracy"]["qa_wikidata"] <= 1 for r in rows.values())
     paths = write(res, tmp_path)
     assert json.loads((tmp_path / "results.json").read_text())["examples_per_task"] == {"qa_wikidata": 2}
