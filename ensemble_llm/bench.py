@@ -144,8 +144,10 @@ def resolve_task(item: str, default_n: int) -> tuple[Path, int]:
     """'qa_wikidata', 'qa_wikidata:200' or 'path/to/task.jsonl[:N]' -> (file, examples)."""
     name, n = item, default_n
     head, sep, tail = item.rpartition(":")
-    if sep and tail.isdigit():
+    if sep and tail.lstrip("-").isdigit():
         name, n = head, int(tail)
+    if n < 1:
+        raise ConfigError(f"task {name!r}: the number of examples must be >= 1, got {n}")
     path = bundled_task(name) if name in BUNDLED_TASKS else Path(name)
     if not path.is_file():
         raise ConfigError(f"task {name!r} is neither a bundled task ({', '.join(BUNDLED_TASKS)}) nor a file")
@@ -153,7 +155,14 @@ def resolve_task(item: str, default_n: int) -> tuple[Path, int]:
 
 
 def load_task(path: Path, n: int) -> tuple[str, list[dict]]:
-    lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+    try:
+        lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+        for i, x in enumerate(lines):
+            if not isinstance(x.get("input"), str) or not x.get("targets"):
+                raise ValueError(f"line {i + 1} lacks an 'input' string or a non-empty 'targets' list")
+    except (ValueError, AttributeError) as exc:
+        raise ConfigError(f"task file {path} is not in the BIG-bench jsonl format "
+                          f"({{\"input\": ..., \"targets\": [...]}} per line): {exc}") from None
     if len(lines) < 4:
         raise ConfigError(f"task file {path} needs at least 4 lines (3 shots + 1 example), has {len(lines)}")
     shots = "".join(f"Q: {x['input'].strip()}\nA: {x['targets'][0]}\n" for x in lines[:3])
@@ -179,6 +188,15 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
     """Run the benchmark and return the results dict (see module docstring)."""
     models = list(models)
     specs = list(methods)
+    if not 0 <= speed_prompts <= len(SPEED_PROMPTS):
+        raise ConfigError(f"speed_prompts must be between 0 and {len(SPEED_PROMPTS)}, got {speed_prompts}")
+    if speed_prompts and max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not speed_prompts and not tasks:
+        raise ConfigError("nothing to run: give speed prompts or at least one task")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"a method is listed twice: {sorted({x for x in labels if labels.count(x) > 1})}")
     if third_member:  # the members-scaling section: every ensemble method again with 3 members
         specs += [MethodSpec(s.label + "+3", s.method, s.config, models + [third_member])
                   for s in methods if s.method != "single"]
@@ -189,6 +207,8 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
         eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
     first = next(iter(engines.values())).members
     task_data = {Path(t).stem.removesuffix("_dev"): load_task(Path(t), n) for t, n in tasks}
+    if len(task_data) != len(tasks):
+        raise ConfigError("two tasks have the same file name; rename one")
     n_gen = len(engines) * (speed_prompts + sum(len(ex) for _, ex in task_data.values()))
     bar = _progress(n_gen, progress)
     speed = {k: {"time": 0.0, "tokens": 0, "bytes": 0, "ttfc": [], "fwd": {}, "peak": 0, "extra": []} for k in engines}
@@ -267,7 +287,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             row["pooled_accuracy"] = pooled(row["accuracy"], results["examples_per_task"])
         row.update(_method_figures(spec.method, s["extra"]))
         results["methods"][key] = row
-    if base:
+    if base and results["methods"][base]["time_per_token_s"] > 0:
         for row in results["methods"].values():
             row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
     results["samples"] = {t: q["samples"] for t, q in quality.items()}

@@ -33,6 +33,22 @@ def test_tasks_and_scoring():
     assert norm(" Paris.\nQ: next") == "paris" and norm("") == ""
 
 
+def test_bad_bench_arguments_are_named(tmp_path, tiny_dirs):
+    specs = parse_methods(["single:member=0"], 2)
+    with pytest.raises(ConfigError, match="speed_prompts"):
+        run_bench([tiny_dirs["smol"]], specs, [], speed_prompts=21)
+    with pytest.raises(ConfigError, match="nothing to run"):
+        run_bench([tiny_dirs["smol"]], specs, [], speed_prompts=0)
+    with pytest.raises(ConfigError, match="listed twice"):
+        run_bench([tiny_dirs["smol"]], specs + specs, [], speed_prompts=1)
+    with pytest.raises(ConfigError, match=">= 1"):
+        resolve_task("qa_wikidata:0", 20)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "a", "targets": ["b"]}\n' * 3 + '{"question": "c"}\n')
+    with pytest.raises(ConfigError, match="BIG-bench jsonl format"):
+        load_task(bad, 5)
+
+
 def test_run_writes_table_json_and_plots(tiny_dirs, tmp_path):
     models = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     specs = parse_methods(["single", "safe", "smc:n_particles=2"], 2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ensemble_llm import ConfigError, Ensemble, RequestError, SmcConfig
+from ensemble_llm import ConfigError, Ensemble, RequestError, RequestTimeout, SmcConfig
 from ensemble_llm.methods.bytelm import EOS, Beam, ByteLM, Hyp, byte_trie
 from ensemble_llm.methods.smc import f_ensemble, smc_sample
 
@@ -141,7 +141,8 @@ def test_config_errors():
     for kw, msg in (({"f": "avg"}, "SmcConfig.f"), ({"f": "power"}, "tau"), ({"tau": 0.5}, "f='power'"),
                     ({"n_particles": 0}, "n_particles"), ({"ess_threshold": 2}, "ess_threshold"),
                     ({"beam_width": 0}, "beam_width"), ({"weights": [1, -1]}, "weights"),
-                    ({"max_bytes": 0}, "max_bytes")):
+                    ({"max_bytes": 0}, "max_bytes"), ({"ess_threshold": "high"}, "must be a number"),
+                    ({"weights": [1, float("inf")]}, "finite")):
         with pytest.raises(ConfigError, match=msg):
             SmcConfig(**kw)
     assert SmcConfig(f="power", tau=-2).power == -2 and SmcConfig(f="min").power == -math.inf
@@ -250,6 +251,13 @@ def test_stop_strings_end_particles(engine):
     res = engine.generate("Tell me about the sea.", max_new_tokens=12, stop=["e", "a", "o", " "])
     assert not any(s in res.text for s in "eao ")
     assert all(not any(s in p["text"] for s in "eao ") for p in res.stats["particles"])
+
+
+def test_timeout_stops_smc_between_byte_steps(engine):
+    # particles sampling at T=1 rarely agree, but the engine still checks its timeout every byte
+    with pytest.raises(RequestTimeout):
+        engine.generate("Tell me a long story.", max_new_tokens=200, temperature=1.0, seed=1, timeout=0.5)
+    assert engine.generate("Hi", max_new_tokens=3).finish_reason in ("stop", "length")
 
 
 def test_bad_requests_leave_engine_usable(engine, tiny_dirs):

@@ -51,6 +51,8 @@ class Node:
 
 
 class VocabTrie:
+    MAX_CACHED = 100_000  # trie nodes kept (built lazily, on the member, across requests)
+
     def __init__(self, vocab_bytes: Sequence[bytes], exclude: frozenset[int], eos_ids: frozenset[int]) -> None:
         items = sorted((b, i) for i, b in enumerate(vocab_bytes) if b and i not in exclude and i not in eos_ids)
         self.keys = [b for b, _ in items]
@@ -64,6 +66,8 @@ class VocabTrie:
         """The node for `prefix`, or None when no token starts with it."""
         if prefix in self._nodes:
             return self._nodes[prefix]
+        if len(self._nodes) >= self.MAX_CACHED:  # a long-lived server: start the cache afresh (~2 KB a node)
+            self._nodes.clear()
         keys = self.keys
         lo = bisect.bisect_left(keys, prefix)
         up = _upper(prefix)

@@ -59,6 +59,9 @@ class SmcConfig:
                               "set f='power' or drop tau")
         if not isinstance(self.n_particles, int) or self.n_particles < 1:
             raise ConfigError(f"SmcConfig.n_particles must be an integer >= 1, got {self.n_particles!r}")
+        for name in ("ess_threshold", "prune_threshold"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SmcConfig.{name} must be a number, got {getattr(self, name)!r}")
         if not 0.0 <= self.ess_threshold <= 1.0:
             raise ConfigError(f"SmcConfig.ess_threshold must be in [0, 1], got {self.ess_threshold!r}")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -68,8 +71,8 @@ class SmcConfig:
         if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):
             raise ConfigError(f"SmcConfig.max_bytes must be None or an integer >= 1, got {self.max_bytes!r}")
         if self.weights is not None and (not self.weights or any(
-                not isinstance(w, (int, float)) or not w > 0 for w in self.weights)):
-            raise ConfigError(f"SmcConfig.weights must be positive numbers, one per member; got {self.weights!r}")
+                not isinstance(w, (int, float)) or not 0 < w < math.inf for w in self.weights)):
+            raise ConfigError(f"SmcConfig.weights must be positive finite numbers, one per member; got {self.weights!r}")
 
     @property
     def power(self) -> float:
@@ -237,7 +240,8 @@ class Smc(Method):
         generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
         lms = [ByteLM(m, cfg.beam_width, cfg.prune_threshold, temperature) for m in self.members]
         starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
-        stops = [s.encode("utf-8") for s in req.stop if s]
+        # the longest stop first: with overlapping stops the text is cut where the engine would cut it
+        stops = sorted((s.encode("utf-8") for s in req.stop if s), key=len, reverse=True)
         max_bytes = cfg.max_bytes or 16 * req.max_new_tokens
         main = self.main_member()
 
@@ -252,7 +256,7 @@ class Smc(Method):
 
         weights = cfg.weights or [1.0] * len(lms)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        sent = 0
+        sent, sent_bytes = 0, b""
         run = None
         # a stop string can only be cut from the end of a particle's text: hold that many bytes back
         hold = max((len(s) for s in stops), default=1) - 1
@@ -262,18 +266,21 @@ class Smc(Method):
             agreed = common_prefix([p.text for p in live])
             unfinished = any(p.done is None for p in live)
             upto = len(agreed) - hold if unfinished else len(agreed)
+            piece = ""
             if upto > sent:
                 piece = decoder.decode(agreed[sent:upto])
-                sent = upto
-                if piece:
-                    yield piece
+                sent_bytes, sent = agreed[:upto], upto
+            # yield after every byte step, even nothing: the engine checks cancel and timeout there
+            yield piece
             for k, lm in enumerate(lms):
                 lm.compact([p.states[k] for p in run.particles if p.done is None])
-        best = self._pick(run)
+        # only particles that start with what was streamed can be the answer (a particle that died
+        # before the others agreed may not)
+        best = self._pick(run, sent_bytes)
         tail = decoder.decode(best.text[sent:], final=True)
         if tail:
             yield tail
-        req.finish_reason = "stop" if best.done in ("stop", "dead") else "length"
+        req.finish_reason = "stop" if best.done == "stop" else "length"
         text = best.text.decode("utf-8", errors="replace")
         post = run.posterior()
         req.stats.update({
@@ -295,8 +302,9 @@ class Smc(Method):
                 for p, w in zip(run.particles, run.normalised())]
 
     @staticmethod
-    def _pick(run: SmcRun) -> Particle:
-        """The text with the largest total weight (duplicates merged); ties go to the text the
-        members jointly find more probable (sum of their log-probabilities)."""
+    def _pick(run: SmcRun, prefix: bytes = b"") -> Particle:
+        """The text with the largest total weight (duplicates merged) among those starting with
+        `prefix`; ties go to the text the members jointly find more probable."""
         post = run.posterior()
-        return max(run.particles, key=lambda p: (post[p.text], float(p.lp.sum())))
+        pool = [p for p in run.particles if p.text.startswith(prefix)] or run.particles
+        return max(pool, key=lambda p: (post[p.text], float(p.lp.sum())))
