@@ -366,24 +366,20 @@ def plots(results: dict, out: Path) -> list[Path]:
     if results["examples_per_task"]:
         fig, ax = plt.subplots(figsize=(7.2, 4.8))
         seen: dict[tuple[float, float], int] = {}
+        x_max = max(v["time_per_token_s"] for v in rows.values()) or 1.0
         for label, r in rows.items():
             if r["members"] > len(results["models"]):
                 continue
             x, y = r["time_per_token_s"], pooled(r["accuracy"], results["examples_per_task"]) * 100
             ax.scatter(x, y, s=40)
             # labels of nearby points are stacked, not overprinted
-            spot = (round(20 * x / max(v["time_per_token_s"] for v in rows.values())), round(y / 2))
+            spot = (round(20 * x / x_max), round(y / 2))
             k = seen[spot] = seen.get(spot, -1) + 1
             ax.annotate(label, (x, y), fontsize=8, xytext=(5, 3 - 10 * k), textcoords="offset points")
         ax.set_xlabel("seconds per output token (speed prompts)")
         ax.set_ylabel("exact-match accuracy, all task examples pooled (%)")
         ax.set_title(f"Quality vs time ({', '.join(results['devices'])})")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out / "quality_vs_time.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        made.append(path)
+        made.append(_save(fig, ax, out / "quality_vs_time.png"))
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     by_method: dict[str, list[tuple[int, float]]] = {}
     for label, r in rows.items():
@@ -399,14 +395,19 @@ def plots(results: dict, out: Path) -> list[Path]:
     ax.set_ylabel("seconds per output token")
     ax.set_xticks(sorted({p[0] for pts in by_method.values() for p in pts} | {p[0] for p in single}))
     ax.set_title("Time per token vs number of members (1 = single drafter)")
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    made.append(_save(fig, ax, out / "time_vs_members.png"))
+    return made
+
+
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = out / "time_vs_members.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    made.append(path)
-    return made
+    return path
 
 
 def write(results: dict, out: Path) -> list[Path]:

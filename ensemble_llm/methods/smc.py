@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -93,21 +94,8 @@ def f_ensemble(logp: np.ndarray, tau: float, weights: np.ndarray, axis: int = 0)
             out = (w * logp).sum(axis=0)
         return np.where(np.isneginf(logp).any(axis=0), NEG_INF, out)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        z = tau * logp + np.log(w)
-        top = z.max(axis=0)
-        safe_top = np.where(np.isfinite(top), top, 0.0)
-        lse = safe_top + np.log(np.exp(z - safe_top).sum(axis=0))
-        lse = np.where(np.isfinite(top), lse, top)
+        lse = np.logaddexp.reduce(tau * logp + np.log(w), axis=0)
     return lse / tau
-
-
-def logsumexp(x: np.ndarray, axis: int | None = None) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    top = np.max(x, axis=axis, keepdims=True)
-    safe = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(divide="ignore"):
-        out = np.log(np.exp(x - safe).sum(axis=axis, keepdims=True)) + safe
-    return np.squeeze(out, axis=axis) if axis is not None else out.reshape(())[()]
 
 
 @dataclass
@@ -135,11 +123,11 @@ class SmcRun:
     def log_z(self) -> float:
         """Estimate of log sum_x psi(x) over the strings the particles ended on."""
         w = np.array([p.logw for p in self.particles])
-        return float(logsumexp(w) - math.log(len(w)))
+        return float(np.logaddexp.reduce(w) - math.log(len(w)))
 
     def normalised(self) -> np.ndarray:
         w = np.array([p.logw for p in self.particles])
-        total = logsumexp(w)
+        total = np.logaddexp.reduce(w)
         if not np.isfinite(total):
             return np.full(len(w), 1.0 / len(w))
         return np.exp(w - total)
@@ -168,22 +156,22 @@ def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights
             return
         run.steps += 1
         uniq: dict[tuple, int] = {}  # identical particles (after resampling) share one computation
-        rows = []
+        rows, row_of = [], []
         for p in alive:
             key = tuple(id(s) for s in p.states)
             if key not in uniq:
                 uniq[key] = len(rows)
                 rows.append(p)
+            row_of.append(uniq[key])
         logq = np.stack([lm.next_logprobs([p.states[k] for p in rows]) for k, lm in enumerate(lms)], axis=1)
         lp = np.stack([p.lp for p in rows])  # [n, K]
         joint = lp[:, :, None] + logq  # [n, K, 257]  log P_k(x b)
         psi_next = f_ensemble(joint, tau, w, axis=1)  # [n, 257]
         psi = f_ensemble(lp, tau, w, axis=1)  # [n]
-        total = logsumexp(psi_next, axis=1)  # [n]
+        total = np.logaddexp.reduce(psi_next, axis=1)  # [n]
         probs = np.exp(psi_next - np.where(np.isfinite(total), total, 0.0)[:, None])
         probs = np.where(np.isfinite(total)[:, None], probs, 0.0)
-        for p in alive:
-            r = uniq[tuple(id(s) for s in p.states)]
+        for p, r in zip(alive, row_of):
             if not np.isfinite(total[r]):
                 p.logw, p.done = NEG_INF, "dead"
                 continue
@@ -202,22 +190,12 @@ def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights
         if ess < ess_threshold * len(run.particles) and any(p.done is None for p in run.particles):
             idx = torch.multinomial(torch.from_numpy(wn), len(run.particles), replacement=True,
                                     generator=generator).tolist()
-            mean = float(logsumexp(np.array([p.logw for p in run.particles])) - math.log(len(run.particles)))
+            mean = run.log_z  # the mean weight: resampling keeps the estimate of log Z
             run.particles = [run.particles[i].copy() for i in idx]
             for p in run.particles:
                 p.logw = mean
             run.resamplings += 1
         yield run
-
-
-def common_prefix(texts: Sequence[bytes]) -> bytes:
-    if not texts:
-        return b""
-    lo, hi = min(texts), max(texts)
-    n = 0
-    while n < len(lo) and lo[n] == hi[n]:
-        n += 1
-    return lo[:n]
 
 
 class Smc(Method):
@@ -263,7 +241,7 @@ class Smc(Method):
         for run in smc_sample(lms, starts, tau=cfg.power, weights=weights, n_particles=cfg.n_particles,
                               ess_threshold=cfg.ess_threshold, generator=generator, finished=finished):
             live = [p for p in run.particles if p.logw > NEG_INF] or run.particles
-            agreed = common_prefix([p.text for p in live])
+            agreed = os.path.commonprefix([p.text for p in live])
             unfinished = any(p.done is None for p in live)
             upto = len(agreed) - hold if unfinished else len(agreed)
             piece = ""
