@@ -45,13 +45,37 @@ SPEED_PROMPTS = [
 ]
 # the defaults of `ensemble-llm bench`: about 21 minutes for the bundled pair on 2 CPU cores
 DEFAULT_METHODS = ("single", "unite", "safe", "specfuse", "smc:n_particles=4")
-BUNDLED_TASKS = ("qa_wikidata", "periodic_elements", "tense")
+BUNDLED_TASKS = ("qa_wikidata", "periodic_elements", "tense", "chat_facts")
+CHAT_TOKENS = 48  # budget of a chat-task answer
 DEFAULT_TASKS = ("qa_wikidata:100", "periodic_elements:20", "tense:5")
 
 
 def bundled_task(name: str) -> Path:
-    """A dev task file shipped with the package (the first 203 lines of the BIG-bench dev split)."""
-    return Path(str(resources.files("ensemble_llm") / "data" / f"{name}_dev.jsonl"))
+    """A dev task file shipped with the package (the first 203 lines of the BIG-bench dev split),
+    or the chat set `chat_facts` (45 factual questions with accepted answers, written for it)."""
+    stem = name if name.startswith("chat") else f"{name}_dev"
+    return Path(str(resources.files("ensemble_llm") / "data" / f"{stem}.jsonl"))
+
+
+def is_chat_task(path: Path) -> bool:
+    """Chat tasks (file name starting with 'chat'): each input is sent as one user message
+    (chat template, defaults), and an answer is right when it contains an accepted answer."""
+    return Path(path).name.startswith("chat")
+
+
+def repeats(text: str, n: int = 6) -> bool:
+    """The answer repeats itself: a sentence of 3+ words occurs twice, or a word n-gram does."""
+    sentences = [x.strip().lower() for x in re.split(r"[.!?\n]+", text) if len(x.split()) >= 3]
+    if len(sentences) != len(set(sentences)):
+        return True
+    words = re.findall(r"\w+", text.lower())
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+def contains_answer(text: str, targets: Sequence[str]) -> bool:
+    low = text.lower()
+    return any(t.lower() in low for t in targets)
 
 
 def norm(s: str) -> str:
@@ -163,6 +187,8 @@ def load_task(path: Path, n: int) -> tuple[str, list[dict]]:
     except (ValueError, AttributeError) as exc:
         raise ConfigError(f"task file {path} is not in the BIG-bench jsonl format "
                           f"({{\"input\": ..., \"targets\": [...]}} per line): {exc}") from None
+    if is_chat_task(path):
+        return "", lines[:n]
     if len(lines) < 4:
         raise ConfigError(f"task file {path} needs at least 4 lines (3 shots + 1 example), has {len(lines)}")
     shots = "".join(f"Q: {x['input'].strip()}\nA: {x['targets'][0]}\n" for x in lines[:3])
@@ -207,6 +233,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
         eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
     first = next(iter(engines.values())).members
     task_data = {Path(t).stem.removesuffix("_dev"): load_task(Path(t), n) for t, n in tasks}
+    chat_tasks = {Path(t).stem.removesuffix("_dev") for t, _ in tasks if is_chat_task(Path(t))}
     if len(task_data) != len(tasks):
         raise ConfigError("two tasks have the same file name; rename one")
     n_gen = len(engines) * (speed_prompts + sum(len(ex) for _, ex in task_data.values()))
@@ -231,26 +258,33 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
     quality: dict[str, dict[str, Any]] = {}
     for task, (shots, exs) in task_data.items():
         main = first[0]
+        chat = task in chat_tasks
         longest = max(len(main.encode(t)) for ex in exs for t in ex["targets"])
-        budget = min(64, longest + 4)
+        budget = CHAT_TOKENS if chat else min(64, longest + 4)
         right = dict.fromkeys(engines, 0)
+        repeating = dict.fromkeys(engines, 0)
         seconds = dict.fromkeys(engines, 0.0)
         samples: dict[str, list] = {k: [] for k in engines}
         for ex in exs:
             prompt = shots + f"Q: {ex['input'].strip()}\nA:"
             gold = {norm(t) for t in ex["targets"]}
             for key, eng in engines.items():
-                res = eng.generate(prompt, max_new_tokens=budget, raw=True, stop=["\n"])
+                if chat:
+                    res = eng.generate(ex["input"], max_new_tokens=budget)
+                else:
+                    res = eng.generate(prompt, max_new_tokens=budget, raw=True, stop=["\n"])
                 out = res.text
                 seconds[key] += res.stats["time_s"]
-                ok = norm(out) in gold
+                ok = contains_answer(out, ex["targets"]) if chat else norm(out) in gold
+                repeating[key] += chat and repeats(out)
                 right[key] += ok
                 if len(samples[key]) < 3:
                     samples[key].append({"input": ex["input"], "output": out.strip(), "correct": ok})
                 bar.update()
                 bar.set_postfix_str(f"{task}: {key}")
-        quality[task] = {"examples": len(exs), "max_new_tokens": budget,
+        quality[task] = {"examples": len(exs), "max_new_tokens": budget, "chat": chat,
                          "accuracy": {k: v / max(1, len(exs)) for k, v in right.items()},
+                         "correct": right, "repeating": repeating if chat else None,
                          "seconds": {k: round(v, 2) for k, v in seconds.items()}, "samples": samples}
     bar.close()
     total_s = time.perf_counter() - t_start
@@ -280,12 +314,22 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             "forward_passes_per_byte": {n: v / max(1, s["bytes"]) for n, v in s["fwd"].items()},
             "peak_memory_mb": round(s["peak"] / 2**20, 1),
             "accuracy": {t: q["accuracy"][key] for t, q in quality.items()},
+            "correct": {t: q["correct"][key] for t, q in quality.items()},
+            "repeating": {t: q["repeating"][key] for t, q in quality.items() if q["chat"]},
             "task_seconds": {t: q["seconds"][key] for t, q in quality.items()},
             "speed_seconds": round(s["time"], 2),
         }
         if quality:
             row["pooled_accuracy"] = pooled(row["accuracy"], results["examples_per_task"])
         row.update(_method_figures(spec.method, s["extra"]))
+        eng = engines[key]
+        if spec.method != "single" and len(eng.members) > 1:
+            names = [m.name for m in eng.members]
+            row["weights_by_kind"] = {}
+            for kind in ("chat", "raw"):
+                w, main = eng.member_weights(kind)
+                row["weights_by_kind"][kind] = {"weights": dict(zip(names, [round(x, 4) for x in w])),
+                                                "main": names[main]}
         results["methods"][key] = row
     if base and results["methods"][base]["time_per_token_s"] > 0:
         for row in results["methods"].values():
@@ -303,6 +347,13 @@ def pooled(accuracy: dict[str, float], examples: dict[str, int]) -> float:
 def _method_figures(method: str, stats: list[dict]) -> dict[str, Any]:
     if not stats:
         return {}
+    out = {}
+    if "member_weights" in stats[0]:
+        out = {"member_weights": stats[0]["member_weights"], "main_member": stats[0].get("main_member")}
+    return {**out, **_own_figures(method, stats)}
+
+
+def _own_figures(method: str, stats: list[dict]) -> dict[str, Any]:
     if method in ("safe", "unite"):
         out = sum(s.get("tokens_out", 0) for s in stats)
         ens = sum(s.get("tokens_ensembled", 0) for s in stats)
@@ -312,10 +363,11 @@ def _method_figures(method: str, stats: list[dict]) -> dict[str, Any]:
         return {"hedge_weights_mean": {n: statistics.mean(s["weights"][n] for s in stats) for n in names}}
     if method == "smc":
         ess = [e for s in stats for e in s.get("ess", [])]
-        steps = sum(s.get("smc_steps", 0) for s in stats)
+        steps = sum(s.get("smc_steps", 0) + s.get("beam_steps", 0) for s in stats)
         return {"ess_mean": statistics.mean(ess) if ess else None,
                 "resamplings_per_step": sum(s.get("resamplings", 0) for s in stats) / max(1, steps),
-                "bytes_out": sum(s.get("bytes_out", 0) for s in stats), "smc_steps": steps}
+                "bytes_out": sum(s.get("bytes_out", 0) for s in stats), "byte_steps": steps,
+                "search": stats[0].get("search")}
     return {}
 
 
@@ -332,12 +384,16 @@ def markdown(results: dict) -> str:
     for label, r in results["methods"].items():
         fwd = ", ".join(f"{v:.2f}" for v in r["forward_passes_per_token"].values())
         figs = []
+        for kind, wk in r.get("weights_by_kind", {}).items():
+            figs.append(f"{kind} w " + "/".join(f"{w:.2f}" for w in wk["weights"].values()) + f" (main {wk['main']})")
         if "ensembled_fraction" in r:
             figs.append(f"E/T {r['ensembled_fraction']:.0%}")
         if "hedge_weights_mean" in r:
             figs.append("Hedge " + "/".join(f"{w:.2f}" for w in r["hedge_weights_mean"].values()))
         if r.get("ess_mean") is not None:
             figs.append(f"ESS {r['ess_mean']:.1f}, resample/step {r['resamplings_per_step']:.2f}")
+        elif r.get("search") == "beam":
+            figs.append("beam search (T=0)")
         ttfc = r["time_to_first_chunk_s"]
         fwd_b = ", ".join(f"{v:.2f}" for v in r.get("forward_passes_per_byte", {}).values())
         bps = r.get("bytes_per_s")
@@ -345,7 +401,8 @@ def markdown(results: dict) -> str:
                  f"{r['ratio_to_single_0']:.2f}" if "ratio_to_single_0" in r else "",
                  "" if bps is None else f"{bps:.1f}", "" if ttfc is None else f"{ttfc:.2f}", fwd, fwd_b,
                  f"{r['peak_memory_mb']:.0f}"]
-        cells += [f"{r['accuracy'][t]:.1%}" for t in tasks]
+        cells += [f"{r['accuracy'][t]:.1%}" + (f" ({r['repeating'][t]} rep.)" if t in r.get("repeating", {}) else "")
+                  for t in tasks]
         cells += [f"{pooled(r['accuracy'], results['examples_per_task']):.1%}"] if tasks else []
         cells += ["; ".join(figs)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import RequestError
+from .errors import ConfigError, RequestError
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CHOICES = ("auto", "none", "required")
@@ -121,6 +121,56 @@ def template_features(member) -> tuple[bool, bool]:
     tpl = getattr(member.tokenizer, "chat_template", None) if member.has_chat_template else None
     tpl = tpl if isinstance(tpl, str) else ""
     return "tools" in tpl, "tool_calls" in tpl
+
+
+# The built-in preamble of a member without a chat template (a base model such as Gemma-3-270M):
+# a system line and two example turns that show the transcript is a conversation with an
+# assistant that answers directly. Without them a base model continues a bare "User:/Assistant:"
+# transcript by repeating or rephrasing the question. The example facts are generic (none is in
+# the bundled dev or chat sets).
+BASE_PREAMBLE: tuple[dict, ...] = (
+    {"role": "system", "content": "A conversation between a user and a helpful, knowledgeable assistant. "
+                                  "The assistant answers each question directly, correctly and briefly."},
+    {"role": "user", "content": "What is the boiling point of water at sea level?"},
+    {"role": "assistant", "content": "Water boils at 100 degrees Celsius (212 degrees Fahrenheit) at sea level."},
+    {"role": "user", "content": "Who painted the Mona Lisa?"},
+    {"role": "assistant", "content": "Leonardo da Vinci painted the Mona Lisa."},
+)
+
+
+def check_preamble(preamble: Any, owner: str) -> list[dict] | None:
+    """Validate a member's preamble: None (the default), or a list of {'role', 'content'} messages
+    with roles system/user/assistant (a system message only first)."""
+    if preamble is None:
+        return None
+    if not isinstance(preamble, (list, tuple)):
+        raise ConfigError(f"{owner}: preamble must be a list of messages ({{'role', 'content'}} dicts) or None, "
+                          f"got {type(preamble).__name__}")
+    out = []
+    for i, m in enumerate(preamble):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str) or not m["content"].strip():
+            raise ConfigError(f"{owner}: preamble message {i} must be {{'role': 'system'|'user'|'assistant', "
+                              f"'content': non-empty str}}, got {m!r}")
+        if m["role"] == "system" and i:
+            raise ConfigError(f"{owner}: a preamble's system message must come first (message {i} is one)")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def with_preamble(preamble: list[dict], messages: list[dict]) -> list[dict]:
+    """The preamble's turns before the request's messages; a system message of the request joins
+    the preamble's system text (one system message, first)."""
+    if not preamble:
+        return list(messages)
+    pre, msgs = list(preamble), list(messages)
+    if msgs and msgs[0]["role"] == "system":
+        if pre[0]["role"] == "system":
+            pre[0] = {**pre[0], "content": pre[0]["content"] + "\n" + content_text(msgs[0].get("content"))}
+        else:
+            pre.insert(0, msgs[0])
+        msgs = msgs[1:]
+    return pre + msgs
 
 
 def member_messages(member, messages: list[dict], tools: list[dict] | None,
@@ -321,18 +371,52 @@ class ToolTextFilter:
 # short generation that stops at the value's end. A 135M model cannot keep a JSON object well
 # formed on its own; with only values to choose it fills schemas reliably.
 
-def _resolve(schema: dict, defs: dict) -> dict:
-    while isinstance(schema, dict) and "$ref" in schema:
-        schema = defs.get(schema["$ref"].rsplit("/", 1)[-1], {})
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema, dict) and key in schema:  # Optional[X]: the first non-null branch
-            branches = [b for b in schema[key] if _resolve(b, defs).get("type") != "null"]
-            if branches:
-                merged = {k: v for k, v in schema.items() if k != key}
-                return {**_resolve(branches[0], defs), **merged}
-    if isinstance(schema, dict) and "allOf" in schema and len(schema["allOf"]) == 1:
-        return {**_resolve(schema["allOf"][0], defs), **{k: v for k, v in schema.items() if k != "allOf"}}
-    return schema if isinstance(schema, dict) else {}
+MAX_DEPTH = 8  # nesting of generated objects/arrays beyond which a schema is refused
+
+
+def _ref_name(ref: Any) -> str:
+    if not isinstance(ref, str):
+        raise RequestError(f"a tool schema's $ref must be a string like '#/$defs/Name', got {ref!r}")
+    return ref.rsplit("/", 1)[-1]
+
+
+def _resolve(schema: Any, defs: dict, seen: tuple[str, ...] = ()) -> tuple[dict, bool, tuple[str, ...]]:
+    """(the schema with $ref / anyOf / oneOf / single allOf resolved, whether null is allowed,
+    the $ref names followed so far). A $ref chain that comes back to itself without reaching a
+    type raises RequestError instead of looping."""
+    nullable = False
+    hops: set[str] = set()
+    while True:
+        if not isinstance(schema, dict):
+            return {}, nullable, seen
+        if "$ref" in schema:
+            name = _ref_name(schema["$ref"])
+            if name in hops:
+                raise RequestError(f"the tool schema's $ref {schema['$ref']!r} refers to itself without ever "
+                                   "reaching a type; give the definition a 'type' or 'properties'.")
+            if name not in defs:
+                raise RequestError(f"the tool schema's $ref {schema['$ref']!r} names no definition in $defs; "
+                                   f"known: {sorted(defs)}")
+            hops.add(name)
+            seen = seen + (name,)
+            schema = defs[name]
+            continue
+        for key in ("anyOf", "oneOf"):
+            if key in schema:  # Optional[X]: the first non-null branch
+                branches = schema[key] if isinstance(schema[key], list) else []
+                real = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")]
+                nullable |= len(real) < len(branches)
+                if real:
+                    inner, null2, seen = _resolve(real[0], defs, seen)
+                    merged = {k: v for k, v in schema.items() if k != key}
+                    return {**inner, **merged}, nullable or null2, seen
+                return {"type": "null"}, True, seen
+        if "allOf" in schema and isinstance(schema["allOf"], list) and len(schema["allOf"]) == 1:
+            inner, null2, seen = _resolve(schema["allOf"][0], defs, seen)
+            return {**inner, **{k: v for k, v in schema.items() if k != "allOf"}}, nullable or null2, seen
+        kind = schema.get("type")
+        nullable |= kind == "null" or (isinstance(kind, list) and "null" in kind)
+        return schema, nullable, seen
 
 
 def _pick(out: str, options: list[str]) -> str:
@@ -350,10 +434,20 @@ def _pick(out: str, options: list[str]) -> str:
     return next((o for o in options if close and o.strip('"') == close[0]), options[0])
 
 
-def _value(schema: dict, defs: dict, text: str, gen) -> tuple[str, Any]:
-    """Generate one JSON value after `text`; returns (its JSON text, the value)."""
-    schema = _resolve(schema, defs)
+def _value(schema: dict, defs: dict, text: str, gen, stack: tuple[str, ...] = ()) -> tuple[str, Any]:
+    """Generate one JSON value after `text`; returns (its JSON text, the value). `stack` holds the
+    $ref definitions being written around this value: a nullable value that would recurse into
+    one of them (a tree's `child: Optional[Node]`) is written as null, so recursion ends."""
+    if len(stack) > MAX_DEPTH:
+        raise RequestError(f"the tool schema nests deeper than {MAX_DEPTH} levels through {'/'.join(stack)}; "
+                           "flatten it or make the recursive field optional (nullable).")
+    resolved, nullable, refs = _resolve(schema, defs)
+    if nullable and any(r in stack for r in refs):
+        return "null", None
+    schema, stack = resolved, stack + tuple(r for r in refs if r not in stack)
     kind = schema.get("type")
+    if kind == "null":
+        return "null", None
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
     if schema.get("enum"):
@@ -361,7 +455,7 @@ def _value(schema: dict, defs: dict, text: str, gen) -> tuple[str, Any]:
         pick = _pick(gen(text, ["\n", ",", "}"], 16), options)
         return pick, json.loads(pick)
     if kind == "object" or "properties" in schema:
-        return _object(schema, defs, text, gen)
+        return _object(schema, defs, text, gen, stack)
     if kind == "string":
         out = gen(text + '"', ['"', "\n"], 48)
         return json.dumps(out, ensure_ascii=False), out
@@ -387,15 +481,17 @@ def _value(schema: dict, defs: dict, text: str, gen) -> tuple[str, Any]:
     return json.dumps(val, ensure_ascii=False), val
 
 
-def _object(schema: dict, defs: dict, text: str, gen) -> tuple[str, dict]:
+def _object(schema: dict, defs: dict, text: str, gen, stack: tuple[str, ...] = ()) -> tuple[str, dict]:
     """Required properties (all when the schema lists none as required), in schema order."""
     props = schema.get("properties") or {}
+    if not isinstance(props, dict):
+        raise RequestError(f"a tool schema's 'properties' must be an object of property schemas, got {props!r}")
     required = schema.get("required")
     keys = [k for k in props if required is None or k in required]
     out_text, val = "{", {}
     for i, key in enumerate(keys):
         out_text += ("" if i == 0 else ", ") + json.dumps(key) + ": "
-        piece, v = _value(props[key], defs, text + out_text, gen)
+        piece, v = _value(props[key], defs, text + out_text, gen, stack)
         out_text += piece
         val[key] = v
     return out_text + "}", val
@@ -417,5 +513,10 @@ def guided_call(tools: list[dict], tool_choice: str, gen) -> str:
         name = next(iter(by_name)) if tool_choice == "required" else tool_choice
     text += json.dumps(name) + ', "arguments": '
     params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
-    piece, _ = _value(params, params.get("$defs") or params.get("definitions") or {}, text, gen)
+    if not isinstance(params, dict):
+        raise RequestError(f"tool {name!r}: 'parameters' must be a JSON Schema object, got {params!r}")
+    defs = params.get("$defs") or params.get("definitions") or {}
+    if not isinstance(defs, dict):
+        raise RequestError(f"tool {name!r}: '$defs' must be an object of named schemas, got {defs!r}")
+    piece, _ = _value(params, defs, text, gen)
     return text + piece + "}\n" + TOOL_CLOSE

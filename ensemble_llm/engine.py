@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import queue
 import threading
@@ -19,8 +20,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 
-from .chat import (ToolCall, ToolTextFilter, call_key, check_tool_choice, check_tools, guided_call, history_calls,
-                   member_messages)
+from .chat import (BASE_PREAMBLE, ToolCall, ToolTextFilter, call_key, check_preamble, check_tool_choice, check_tools,
+                   guided_call, history_calls, member_messages, with_preamble)
 from .errors import ConfigError, EnsembleError, GenerationError, RequestError, RequestTimeout
 from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolve_dtype, resolve_source
 from .members.loader import local_dir
@@ -70,6 +71,21 @@ class _Params:
     seed: int | None
     stop: list[str]
     timeout: float | None
+
+
+MEMBER_KEYS = ("model", "preamble")
+
+
+def _member_spec(spec: Any, i: int) -> tuple[Any, list[dict] | None]:
+    """A member is a model (bundled name, folder, .gguf, hub id) or a dict {"model": ...,
+    "preamble": [messages]} that pairs the model with turns put before its chat prompts."""
+    if not isinstance(spec, dict):
+        return spec, None
+    unknown = sorted(set(spec) - set(MEMBER_KEYS))
+    if unknown or "model" not in spec:
+        raise ConfigError(f"member {i} is a dict, so it needs a 'model' and may have {list(MEMBER_KEYS[1:])}; "
+                          f"got keys {sorted(spec)}")
+    return spec["model"], check_preamble(spec.get("preamble"), f"member {i} ({spec['model']})")
 
 
 class TextStream:
@@ -137,12 +153,16 @@ class Ensemble:
                  trust_remote_code: bool = False, progress: bool = True) -> None:
         if members is None:
             members = list(DEFAULT_MODELS)
-        if isinstance(members, (str, os.PathLike)):
+        if isinstance(members, (str, os.PathLike, dict)):
             members = [members]
         members = list(members)
         if not members:
             raise ConfigError("members is empty; name at least one model, e.g. members=['smollm2-135m-instruct'].")
-        self.sources = [resolve_source(m) for m in members]
+        self.sources, self.preambles = [], []
+        for i, spec in enumerate(members):
+            model, preamble = _member_spec(spec, i)
+            self.sources.append(resolve_source(model))
+            self.preambles.append(preamble)
         devices = list(device) if isinstance(device, (list, tuple)) else [device] * len(members)
         if len(devices) != len(members):
             raise ConfigError(f"device lists {len(devices)} entries for {len(members)} members; give one per member.")
@@ -160,6 +180,7 @@ class Ensemble:
         self.progress = progress
         self._members: list[Member] | None = None
         self._method = None
+        self._auto: dict[str, list[float]] = {}  # "auto" weights per prompt kind, once calibrated
         self._load_lock = threading.Lock()
         self._jobs: "queue.Queue" = queue.Queue()
         self._worker: threading.Thread | None = None
@@ -172,7 +193,7 @@ class Ensemble:
         framework objects (LangChain and LlamaIndex facades alike) share loaded models and one
         request queue. Arguments are validated exactly as by the constructor."""
         eng = cls(members, method, config, **kw)
-        key = (tuple(s.ref for s in eng.sources), eng.method_name, repr(eng.config), tuple(map(str, eng.devices)),
+        key = (tuple(s.ref for s in eng.sources), repr(eng.preambles), eng.method_name, repr(eng.config), tuple(map(str, eng.devices)),
                tuple(map(str, eng.dtypes)), str(eng.cache_dir), eng.trust_remote_code)
         with _SHARED_LOCK:
             return _SHARED.setdefault(key, eng)
@@ -225,6 +246,49 @@ class Ensemble:
             cfg = cfg.get_text_config(decoder=True)
             sizes.append(int(getattr(cfg, "max_position_embeddings", None) or 2048))
         return min(sizes)
+
+    def member_weights(self, kind: str = "chat") -> tuple[list[float], int]:
+        """(member weights, main member) for requests of `kind` ("chat" or "raw").
+
+        Weights: the method config's list; uniform for None; for "auto", the mixture weights that
+        best explain a bundled calibration sample in that prompt kind (`calibrate.py`; measured
+        once per member and cached on disk). The main member (drafter / primary) is the config's,
+        else the one with the largest weight, else (uniform weights) the one with the most
+        parameters."""
+        members, method = self.members, self._method
+        given = method.member_weights()
+        if isinstance(given, str) and given == "auto" and len(members) > 1:
+            if kind not in self._auto:
+                from .calibrate import Calibrator
+
+                keys = [f"{s.ref}|{json.dumps(p, sort_keys=True)}|{m.dtype}" for s, p, m in
+                        zip(self.sources, self.preambles, members)]
+                self._auto[kind] = Calibrator(self.cache_dir).weights(members, keys, kind, self._chat_prompt)
+            weights = list(self._auto[kind])
+        elif isinstance(given, (list, tuple)):
+            total = float(sum(given))
+            weights = [float(w) / total for w in given]
+        else:
+            weights = [1.0 / len(members)] * len(members)
+        main = method.main_member()
+        if main is None:
+            if len(set(weights)) > 1:
+                main = max(range(len(members)), key=lambda i: (weights[i], -i))
+            else:
+                main = max(range(len(members)), key=lambda i: (members[i].n_params, -i))
+        return weights, main
+
+    def _chat_prompt(self, i: int, question: str) -> str:
+        """Member i's prompt text for one user message (its preamble, its chat format)."""
+        msgs = with_preamble(self.member_preamble(i), [{"role": "user", "content": question}])
+        return self.members[i].render_chat(msgs)
+
+    def member_preamble(self, i: int) -> list[dict]:
+        """The turns put before every chat request for member i: its own preamble when one was
+        given, else the built-in one for a model without a chat template (a base model), else none."""
+        if self.preambles[i] is not None:
+            return self.preambles[i]
+        return list(BASE_PREAMBLE) if not self.members[i].has_chat_template else []
 
     def __repr__(self) -> str:
         return f"Ensemble(members={self.model_names}, method={self.method_name!r})"
@@ -304,6 +368,11 @@ class Ensemble:
             raise RequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         tools = check_tools(tools)
         tool_choice = check_tool_choice(tool_choice, tools)
+        if tools and tool_choice not in ("auto", "none"):
+            # walk every schema a forced call may write, with no model: a schema the guided writer
+            # cannot write (a $ref cycle, too deep, malformed) fails here, before queueing
+            for name in ([t["function"]["name"] for t in tools] if tool_choice == "required" else [tool_choice]):
+                guided_call(tools, name, lambda text, stops, n: "")
         if tools and raw:
             raise RequestError("tools need a chat prompt (a string or messages) with raw=False.")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -338,11 +407,12 @@ class Ensemble:
     def _prompts(self, params: _Params, members: list[Member]) -> tuple[list[str], list[str]]:
         """Each member's prompt text (its own chat template or plain transcript) and the stops."""
         texts, stops = [], list(params.stop)
-        for m in members:
+        for i, m in enumerate(members):
             if params.raw:
                 texts.append(params.prompt)
                 continue
             msgs = [{"role": "user", "content": params.prompt}] if isinstance(params.prompt, str) else params.prompt
+            msgs = with_preamble(self.member_preamble(i), msgs)
             msgs, tools = member_messages(m, msgs, params.tools, params.tool_choice)
             texts.append(m.render_chat(msgs, tools=tools))
             stops += [s for s in m.chat_stop_strings if s not in stops]
@@ -352,6 +422,7 @@ class Ensemble:
         t0 = time.perf_counter()
         members, method = self.members, self._method
         texts, stops = self._prompts(params, members)
+        weights, main = self.member_weights("raw" if params.raw else "chat")
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         before = [(m.n_forward, m.forward_time) for m in members]
@@ -375,7 +446,8 @@ class Ensemble:
                         f"the prompt is {len(ids)} tokens for {m.name}, whose context window is {m.context_window}; "
                         "shorten the prompt or drop that member.")
                 room.append(m.context_window - len(ids))
-            req = Request(prompt_ids, min(max_new, *room), params.temperature, params.top_p, generator, stop=list(stops))
+            req = Request(prompt_ids, min(max_new, *room), params.temperature, params.top_p, generator, stop=list(stops),
+                          weights=weights, main=main)
             matcher = StopMatcher(stops)
             gen = method.run(req)
             try:
@@ -402,6 +474,9 @@ class Ensemble:
             runs = []
 
             def fill(reply: str, value_stops: list[str], max_new: int) -> str:
+                if params.timeout is not None and time.perf_counter() - t0 > params.timeout:
+                    raise RequestTimeout(f"generation took longer than timeout={params.timeout:g} s; raise the "
+                                         "timeout or lower max_new_tokens.")
                 if left[0] <= 0 or cancel.is_set():
                     return ""
                 got: list[str] = []
@@ -438,13 +513,15 @@ class Ensemble:
         if calls:
             finish = "tool_calls"
         raw_text = calls_out.text
-        main = method.main_member()
         usage = Usage(len(members[main].prompt_ids(texts[main])),
                       len(members[main].encode(raw_text)) if raw_text else 0)
         stats["members"] = {
             m.name: {"forward_passes": m.n_forward - n0, "forward_time_s": round(m.forward_time - t0_, 4)}
             for m, (n0, t0_) in zip(members, before)
         }
+        if len(members) > 1 and method.name != "single":
+            stats["member_weights"] = {m.name: round(w, 4) for m, w in zip(members, weights)}
+            stats["main_member"] = members[main].name
         stats["time_s"] = round(time.perf_counter() - t0, 4)
         stats["time_to_first_chunk_s"] = None if first_chunk is None else round(first_chunk, 4)
         return GenerationResult(text, finish, usage, stats, self.method_name, self.model_names, calls, raw_text)

@@ -261,3 +261,28 @@ def test_repeated_call_from_history_is_dropped(tiny_dirs, monkeypatch):
     again = eng.generate(history, tools=[ADD])  # asked again with tools off, markup cut from the text
     assert again.tool_calls == [] and again.stats["answered_without_tools_after_repeated_call"]
     assert again.stats["ignored_tool_calls"] == 1 and again.text == ""
+
+
+def test_self_referencing_schema_fails_fast_and_engine_survives(tiny_dirs):
+    """Reliability D1: a $ref cycle with no type used to loop forever in the worker."""
+    eng = Ensemble([tiny_dirs["smol"]])
+    loop = {"type": "function", "function": {"name": "f", "parameters": {
+        "$defs": {"A": {"$ref": "#/$defs/A"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}
+    with pytest.raises(RequestError, match="refers to itself"):
+        eng.generate("hi", tools=[loop], tool_choice="f", timeout=5)
+    bad = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": "x"}}}
+    with pytest.raises(RequestError, match="properties"):
+        eng.generate("hi", tools=[bad], tool_choice="g")
+    assert eng.generate("hi", max_new_tokens=2).usage.completion_tokens <= 2  # still usable
+
+
+def test_recursive_optional_model_ends_in_null():
+    """A tree (`child: Optional[Node]`, pydantic's schema) is written one level deep, the
+    recursive optional field as null, instead of recursing without end."""
+    node = {"$defs": {"Node": {"type": "object", "properties": {
+        "value": {"type": "string"}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}}},
+        "$ref": "#/$defs/Node"}
+    tool = {"type": "function", "function": {"name": "Node", "parameters": node}}
+    text = guided_call([tool], "Node", lambda t, stops, n: "leaf")
+    call = json.loads(text[len(TOOL_OPEN):-len(TOOL_CLOSE)])
+    assert call["arguments"] == {"value": "leaf", "child": None}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ensemble_llm import ConfigError, Ensemble, GenerationError, ModelNotFoundError, RequestError
+from ensemble_llm.chat import BASE_PREAMBLE
 from ensemble_llm.members import BUNDLED
 
 
@@ -36,7 +37,9 @@ def test_single_on_second_member_uses_plain_fallback(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="single", config={"member": 1})
     res = eng.generate("Hi", max_new_tokens=5)
     g = eng.members[1]
-    assert res.usage.prompt_tokens == len(g.prompt_ids("User:\nHi\nAssistant:\n"))
+    prompt = eng._chat_prompt(1, "Hi")  # the built-in base-model preamble, then the plain transcript
+    assert prompt.endswith("\nUser:\nHi\nAssistant:\n") and prompt.startswith(BASE_PREAMBLE[0]["content"])
+    assert res.usage.prompt_tokens == len(g.prompt_ids(prompt))
     assert res.stats["members"][eng.members[0].name]["forward_passes"] == 0
 
 

@@ -128,6 +128,9 @@ def test_stop_field_and_per_call(pair):
     assert base.invoke("Hello", stop=[stop]).content == text[: text.find(stop)]
     assert EnsembleLLM(members=pair, max_tokens=12, stop=[stop], progress=False).invoke("Hello").content == \
         text[: text.find(stop)]
+    # a string is one stop string, never split into characters (reliability D2)
+    assert base._request("is", {})["stop"] == ["is"]
+    assert base.invoke("Hello", stop=stop).content == text[: text.find(stop)]
 
 
 def test_errors_surface_in_every_path(tiny_dirs):

@@ -38,7 +38,8 @@ def test_gemma_completes_a_fact_through_the_plain_chat_fallback():
     chat = eng.stream([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=48)
     text = "".join(chat)
     assert chat.result.usage.prompt_tokens == len(eng.members[1].prompt_ids(
-        "User:\nWhat is the capital of France?\nAssistant:\n"))
+        eng._chat_prompt(1, "What is the capital of France?")))
+    assert "Paris" in text  # the base model answers like an assistant behind its preamble
     assert "\nUser:" not in text  # the fallback transcript's next turn is a stop string
 
 

@@ -32,7 +32,7 @@ def test_config_validation(tiny_dirs):
 
 
 def test_safe_stats_add_up_on_tiny_pair(tiny_dirs):
-    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe", config={"lookahead": 4})
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe", config={"lookahead": 4, "adaptive": False})
     res = eng.generate("Tell me about the sea", max_new_tokens=20)
     st = res.stats
     trace = eng._method.trace
@@ -54,7 +54,7 @@ PROMPTS = ["What is the capital of France?", "Name three colours.", "Sofía live
 
 @pytest.fixture(scope="module")
 def safe_pair(real_dirs):
-    eng = Ensemble(list(DEFAULT_MODELS), method="safe", config={"sharpen": None}).load()
+    eng = Ensemble(list(DEFAULT_MODELS), method="safe", config={"sharpen": None, "drafter": 0}).load()
     eng._method.audit = True
     return eng
 

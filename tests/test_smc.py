@@ -229,7 +229,7 @@ def test_incremental_weights_mixture_one_product_at_most_one(tiny_members):
 @pytest.fixture(scope="module")
 def engine(tiny_dirs):
     return Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc",
-                    config={"n_particles": 4, "return_particles": True})
+                    config={"n_particles": 4, "return_particles": True, "greedy": "sample"})
 
 
 def test_end_to_end_stats_stream_and_seed(engine):
@@ -238,7 +238,9 @@ def test_end_to_end_stats_stream_and_seed(engine):
     assert len(st["particles"]) == 4 and abs(sum(p["weight"] for p in st["particles"]) - 1) < 1e-9
     assert any(p["text"] == res.text for p in st["particles"])
     assert st["smc_steps"] == len(st["ess"]) and math.isfinite(st["log_z"]) and st["log_z"] <= 1e-9
-    assert st["tokens_out"] <= 8 + 1 and st["bytes_out"] == len(res.text.encode("utf-8", "replace"))
+    # the budget counts the main member's tokens along the beam; re-encoding the random bytes
+    # canonically (tokens_out) can take a token or two more
+    assert st["tokens_out"] <= 8 + 2 and st["bytes_out"] == len(res.text.encode("utf-8", "replace"))
     for m in engine.members:  # one prefill, then at most one batched forward per byte step
         assert 1 <= st["members"][m.name]["forward_passes"] <= st["smc_steps"] + 1
     # temperature 0: deterministic; the stream is the same text, growing as particles agree

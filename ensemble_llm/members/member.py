@@ -61,6 +61,7 @@ class Member:
         probe = tokenizer("a").input_ids
         self.adds_bos = bool(self.bos_id is not None and probe and probe[0] == self.bos_id)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        self.n_params = sum(p.numel() for p in model.parameters())
         self.n_forward = 0
         self.forward_time = 0.0
 

@@ -31,28 +31,39 @@ from ..errors import ConfigError
 from .align import EOS, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
 from .sampling import pick_token
-from .unite import Emitter, check_ensemble_members, check_weights
+from .unite import Emitter, check_ensemble_members, check_main, check_weights
 
 SHARPEN_MODES = ("heuristic", "geometric", None)
 
 
 @dataclass
 class SafeConfig:
-    drafter: int = 0
+    drafter: int | None = None  # None: the strongest member (largest calibrated weight)
     lookahead: int = 5
     top_k: int = 10
     consensus: float = 0.5
-    sharpen: str | None = "heuristic"
+    # None by default: with small members' flat first-token distributions the heuristic pools
+    # unrelated words ("L" gained "La", "Le", "L'" and beat "The"; see the README)
+    sharpen: str | None = None
     sharpen_lambda: float = 0.1
-    weights: list[float] | None = None  # one per member (drafter included), default uniform
+    weights: list[float] | str | None = "auto"  # "auto" (calibrated), None (uniform) or one per member
+    # the lookahead follows the acceptance rate (transformers' "heuristic" schedule for assisted
+    # decoding): +2 after a cycle whose draft was kept whole, -1 (not below 1) after a replacement;
+    # `lookahead` is the start and `max_lookahead` the cap. False keeps `lookahead` fixed.
+    adaptive: bool = True
+    max_lookahead: int = 16
 
     def __post_init__(self) -> None:
-        if not isinstance(self.drafter, int) or self.drafter < 0:
-            raise ConfigError(f"SafeConfig.drafter must be a member index >= 0, got {self.drafter!r}")
-        if not isinstance(self.lookahead, int) or self.lookahead < 1:
-            raise ConfigError(f"SafeConfig.lookahead must be an integer >= 1, got {self.lookahead!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ConfigError(f"SafeConfig.top_k must be an integer >= 1, got {self.top_k!r}")
+        check_main(self.drafter, "SafeConfig.drafter")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 64:
+            raise ConfigError(f"SafeConfig.lookahead must be an integer in [1, 64], got {self.lookahead!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:
+            raise ConfigError(f"SafeConfig.top_k must be an integer in [1, 1000], got {self.top_k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"SafeConfig.adaptive must be True or False, got {self.adaptive!r}")
+        if isinstance(self.max_lookahead, bool) or not isinstance(self.max_lookahead, int) \
+                or not 1 <= self.max_lookahead <= 64:
+            raise ConfigError(f"SafeConfig.max_lookahead must be an integer in [1, 64], got {self.max_lookahead!r}")
         if not isinstance(self.consensus, (int, float)) or not 0 <= self.consensus <= 1:
             raise ConfigError(f"SafeConfig.consensus must be in [0, 1], got {self.consensus!r}")
         if self.sharpen not in SHARPEN_MODES:
@@ -71,30 +82,35 @@ class Safe(Method):
         check_ensemble_members(self.name, self.members, self.config.drafter, "SafeConfig.drafter",
                                self.config.weights)
 
-    def main_member(self) -> int:
+    def main_member(self) -> int | None:
         return self.config.drafter
 
     def run(self, req: Request) -> Iterator[str]:
         cfg, members = self.config, self.members
-        ordered, weights, dstate, views = start_members(members, cfg.drafter, cfg.weights, req.prompt_ids)
+        ordered, weights, dstate, views = start_members(members, req.main, req.weights, req.prompt_ids)
+        wsum = sum(weights)
         drafter, didx = ordered[0], vocab_index(ordered[0])
         st = req.stats
         st.update(tokens_out=0, tokens_ensembled=0, skipped_oov=0, skipped_consensus=0, replacements=0, cycles=0)
         self.trace: list[dict] = []
         self.last = {"drafter": dstate, "views": views, "text": b""}
         text, emit, budget = b"", Emitter(), req.max_new_tokens
-        finished = False
+        finished, lookahead = False, cfg.lookahead
         while not finished and st["tokens_out"] < budget:
             st["cycles"] += 1
-            n = min(cfg.lookahead, budget - st["tokens_out"])
+            n = min(lookahead, budget - st["tokens_out"])
             base = len(dstate.ids)
             drafts: list[tuple[int, torch.Tensor]] = []
-            for j in range(n):  # 1. draft
+            drafted = text
+            for j in range(n):  # 1. draft, up to EOS or a stop string (nothing after either is kept)
                 row = dstate.next_logprobs
                 tok = pick_token(row, req.temperature, req.top_p, req.generator)
                 drafts.append((tok, row))
                 if tok in drafter.eos_ids:
                     break
+                drafted += didx.key_of(tok)
+                if req.stop_end(drafted, len(drafted) - len(didx.key_of(tok))) is not None:
+                    break  # the drafter's cache lacks this token: the request ends with this cycle
                 if st["tokens_out"] + j + 1 < budget:  # the budget's last token needs no forward
                     drafter.extend(dstate, [tok])
             keys = [didx.key_of(t) for t, _ in drafts]
@@ -129,7 +145,9 @@ class Safe(Method):
                         aligned &= vidx.key_of(own) == key
                         p_own.append(math.exp(float(vrow[own])))
                         agree &= own == int(torch.argmax(vrow))
-                if aligned and (agree or sum(p_own) / len(p_own) > cfg.consensus):
+                # the weighted mean (App. H): above 1/2 the token is the weighted ensemble's argmax
+                p_mean = sum(w * p for w, p in zip(weights, p_own)) / wsum
+                if aligned and (agree or p_mean > cfg.consensus):
                     st["skipped_consensus"] += 1
                     entry = {"byte": b, "reason": "consensus", "key": key}
                     if self.audit:
@@ -148,18 +166,22 @@ class Safe(Method):
                     replaced = (j, choice)
                     break
             if replaced is None:
-                text = full
                 st["tokens_out"] += sum(1 for k in keys if k is not EOS)
-                finished = keys[-1] is EOS
+                finished = keys[-1] is EOS or req.stop_end(full, len(text)) is not None
+                text = full
             else:
                 j, choice = replaced
                 st["replacements"] += 1
-                text = full[: starts[j]] + (b"" if choice is EOS else choice)
+                new = full[: starts[j]] + (b"" if choice is EOS else choice)
                 st["tokens_out"] += j + (0 if choice is EOS else 1)
                 drafter.crop(dstate, base + j)
-                finished = choice is EOS
+                finished = choice is EOS or req.stop_end(new, len(text)) is not None
+                text = new
                 if not finished and st["tokens_out"] < budget:
                     drafter.extend(dstate, didx.ids_for(choice))
+            if cfg.adaptive:
+                cap = max(cfg.lookahead, cfg.max_lookahead)
+                lookahead = min(cap, lookahead + 2) if replaced is None else max(1, lookahead - 1)
             if finished:
                 req.finish_reason = "stop"
             self.last["text"] = text

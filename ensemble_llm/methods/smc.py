@@ -46,8 +46,11 @@ class SmcConfig:
     # 0.1% of the prefix mass, and dropping them halves the batched rows (0 = beam width only)
     prune_threshold: float = 1e-3
     max_bytes: int | None = None  # byte budget per particle (the token budget applies as well)
-    weights: list[float] | None = None  # member weights of the mean (normalised); default equal
+    weights: list[float] | str | None = "auto"  # member weights of the mean: "auto" (calibrated), None (equal), a list
     return_particles: bool = False  # put the weighted particle set in stats["particles"]
+    # temperature 0: "beam" seeks the f-ensemble's mode (byte-level beam search over psi, n_particles
+    # wide); "sample" draws one SMC sample of the untempered ensemble with a fixed seed
+    greedy: str = "beam"
 
     def __post_init__(self) -> None:
         if self.f == "power":
@@ -69,9 +72,11 @@ class SmcConfig:
             raise ConfigError(f"SmcConfig.beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not 0.0 <= self.prune_threshold < 1.0:
             raise ConfigError(f"SmcConfig.prune_threshold must be in [0, 1), got {self.prune_threshold!r}")
+        if self.greedy not in ("beam", "sample"):
+            raise ConfigError(f"SmcConfig.greedy must be 'beam' or 'sample', got {self.greedy!r}")
         if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):
             raise ConfigError(f"SmcConfig.max_bytes must be None or an integer >= 1, got {self.max_bytes!r}")
-        if self.weights is not None and (not self.weights or any(
+        if self.weights is not None and self.weights != "auto" and (not isinstance(self.weights, (list, tuple)) or not self.weights or any(
                 not isinstance(w, (int, float)) or not 0 < w < math.inf for w in self.weights)):
             raise ConfigError(f"SmcConfig.weights must be positive finite numbers, one per member; got {self.weights!r}")
 
@@ -198,12 +203,74 @@ def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights
         yield run
 
 
+@dataclass
+class BeamRun:
+    """State of a byte-level beam search over psi (see `beam_search`)."""
+
+    live: list[Particle]
+    done: list[Particle] = field(default_factory=list)  # finished strings; logw = log psi(x END)
+    steps: int = 0
+
+    def best(self) -> Particle | None:
+        return max(self.done, key=lambda p: p.logw, default=None)
+
+
+def beam_search(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights: Sequence[float], width: int,
+                finished: Callable[[Particle], str | None]) -> Iterator[BeamRun]:
+    """Deterministic search for the mode of pi_f: beam search over byte prefixes scored by
+    log psi(x), `width` prefixes kept per byte step, each step one batched forward per member.
+
+    Every P_k(x) is a prefix probability, so P_k(xb) <= P_k(x), and a weighted power mean is
+    increasing in each argument: psi never grows along an extension. A finished string (EOS, a
+    stop string, the budget) scoring at least every live prefix therefore beats every string the
+    beam could still reach, and the search stops there; with a beam wide enough to keep every
+    prefix it returns the exact argmax of psi. Yields after every byte step."""
+    K = len(lms)
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    run = BeamRun([Particle(list(starts), np.zeros(K))])
+    while run.live:
+        best = run.best()
+        if best is not None and best.logw >= max(p.logw for p in run.live):
+            return
+        run.steps += 1
+        logq = np.stack([lm.next_logprobs([p.states[k] for p in run.live]) for k, lm in enumerate(lms)], axis=1)
+        lp = np.stack([p.lp for p in run.live])  # [n, K]
+        joint = lp[:, :, None] + logq  # [n, K, 257]
+        psi_next = f_ensemble(joint, tau, w, axis=1)  # [n, 257]
+        cands = []
+        for r in range(len(run.live)):
+            for b in np.flatnonzero(np.isfinite(psi_next[r])):
+                cands.append((float(psi_next[r, b]), r, int(b)))
+        cands.sort(key=lambda c: -c[0])
+        live = []
+        for score, r, b in cands:
+            parent = run.live[r]
+            if b == EOS:
+                run.done.append(Particle(parent.states, joint[r, :, b].copy(), parent.text, score, "stop"))
+                continue
+            if len(live) >= width:
+                continue
+            child = Particle(parent.states, joint[r, :, b].copy(), parent.text + bytes([b]), score)
+            child.states = [lm.advance(st, b) for lm, st in zip(lms, parent.states)]
+            child.done = finished(child)
+            (run.done if child.done else live).append(child)
+        run.live = live
+        yield run
+
+
 class Smc(Method):
     name = "smc"
     config_class = SmcConfig
 
+    def main_member(self) -> int | None:
+        return None  # the strongest member counts the token budget
+
     def check_members(self) -> None:
-        if self.config.weights is not None and len(self.config.weights) != len(self.members):
+        if len(self.members) < 2:
+            raise ConfigError(f"method 'smc' ensembles K >= 2 members, got {len(self.members)}; "
+                              "add a member or use method='single'")
+        if isinstance(self.config.weights, (list, tuple)) and len(self.config.weights) != len(self.members):
             raise ConfigError(f"SmcConfig.weights has {len(self.config.weights)} entries for "
                               f"{len(self.members)} members; give one weight per member")
 
@@ -212,16 +279,17 @@ class Smc(Method):
         if req.top_p < 1.0:
             raise RequestError("method 'smc' samples the f-ensemble of the full distributions; top_p "
                                f"truncation is not supported (got top_p={req.top_p}); leave top_p at 1")
-        # smc is a sampler: temperature 0 (greedy elsewhere) means the members as they are and a
-        # fixed seed, so the answer is reproducible; temperature > 0 tempers every member.
+        # temperature 0 (greedy elsewhere): the mode of the untempered ensemble by beam search, or
+        # (greedy="sample") one SMC sample with a fixed seed; temperature > 0 tempers every member.
         temperature = req.temperature if req.temperature > 0 else 1.0
         generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
+        search = req.temperature == 0 and cfg.greedy == "beam"
         lms = [ByteLM(m, cfg.beam_width, cfg.prune_threshold, temperature) for m in self.members]
         starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
         # the longest stop first: with overlapping stops the text is cut where the engine would cut it
         stops = sorted((s.encode("utf-8") for s in req.stop if s), key=len, reverse=True)
         max_bytes = cfg.max_bytes or 16 * req.max_new_tokens
-        main = self.main_member()
+        main = req.main
 
         def finished(p: Particle) -> str | None:
             for s in stops:
@@ -232,17 +300,26 @@ class Smc(Method):
                 return "length"
             return None
 
-        weights = cfg.weights or [1.0] * len(lms)
+        weights = req.weights or [1.0] * len(lms)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sent, sent_bytes = 0, b""
         run = None
         # a stop string can only be cut from the end of a particle's text: hold that many bytes back
         hold = max((len(s) for s in stops), default=1) - 1
-        for run in smc_sample(lms, starts, tau=cfg.power, weights=weights, n_particles=cfg.n_particles,
-                              ess_threshold=cfg.ess_threshold, generator=generator, finished=finished):
-            live = [p for p in run.particles if p.logw > NEG_INF] or run.particles
+        if search:
+            steps = beam_search(lms, starts, tau=cfg.power, weights=weights, width=cfg.n_particles, finished=finished)
+        else:
+            steps = smc_sample(lms, starts, tau=cfg.power, weights=weights, n_particles=cfg.n_particles,
+                               ess_threshold=cfg.ess_threshold, generator=generator, finished=finished)
+        for run in steps:
+            if search:  # final: a prefix of every live beam and of the best finished string
+                best = run.best()
+                live = run.live + ([best] if best is not None else [])
+                unfinished = bool(run.live)
+            else:
+                live = [p for p in run.particles if p.logw > NEG_INF] or run.particles
+                unfinished = any(p.done is None for p in live)
             agreed = os.path.commonprefix([p.text for p in live])
-            unfinished = any(p.done is None for p in live)
             upto = len(agreed) - hold if unfinished else len(agreed)
             piece = ""
             if upto > sent:
@@ -250,34 +327,43 @@ class Smc(Method):
                 sent_bytes, sent = agreed[:upto], upto
             # yield after every byte step, even nothing: the engine checks cancel and timeout there
             yield piece
+            alive = run.live if search else [p for p in run.particles if p.done is None]
             for k, lm in enumerate(lms):
-                lm.compact([p.states[k] for p in run.particles if p.done is None])
-        # only particles that start with what was streamed can be the answer (a particle that died
-        # before the others agreed may not)
-        best = self._pick(run, sent_bytes)
+                lm.compact([p.states[k] for p in alive])
+        if search:
+            best = run.best() if run is not None else None
+            if best is None:  # the budget ended every beam without a finished string
+                best = max(run.live, key=lambda p: p.logw)
+            stats = {"beam_steps": run.steps, "finished_candidates": len(run.done), "best_log_psi": best.logw}
+        else:
+            # only particles that start with what was streamed can be the answer (a particle that
+            # died before the others agreed may not)
+            best = self._pick(run, sent_bytes)
+            post = run.posterior()
+            stats = {"smc_steps": run.steps, "resamplings": run.resamplings, "ess": [round(e, 3) for e in run.ess],
+                     "log_z": run.log_z, "distinct_texts": len(post), "best_weight": round(post[best.text], 4)}
         tail = decoder.decode(best.text[sent:], final=True)
         if tail:
             yield tail
         req.finish_reason = "stop" if best.done == "stop" else "length"
         text = best.text.decode("utf-8", errors="replace")
-        post = run.posterior()
         req.stats.update({
             "tokens_out": len(self.members[main].encode(text)) if text else 0,
             "bytes_out": len(best.text),
-            "smc_steps": run.steps,
-            "resamplings": run.resamplings,
-            "ess": [round(e, 3) for e in run.ess],
-            "log_z": run.log_z,
+            "search": "beam" if search else "smc",
+            **stats,
             "heals": sum(lm.heals for lm in lms),
             "f": cfg.f if cfg.f != "power" else f"power({cfg.tau:g})",
             "n_particles": cfg.n_particles,
-            "distinct_texts": len(post),
-            "best_weight": round(post[best.text], 4),
         })
-        if cfg.return_particles:
+        if cfg.return_particles and not search:
             req.stats["particles"] = [
                 {"text": p.text.decode("utf-8", errors="replace"), "weight": float(w), "finish": p.done}
                 for p, w in zip(run.particles, run.normalised())]
+        elif cfg.return_particles:
+            req.stats["particles"] = [
+                {"text": p.text.decode("utf-8", errors="replace"), "log_psi": p.logw, "finish": p.done}
+                for p in sorted(run.done, key=lambda p: -p.logw)]
 
     @staticmethod
     def _pick(run: SmcRun, prefix: bytes = b"") -> Particle:

@@ -48,15 +48,16 @@ class SpecFuseConfig:
     hedge: bool = True
     hedge_lr: float = 1.0
     exit_threshold: float | None = None
-    weights: list[float] | None = None  # initial member weights, default uniform
+    weights: list[float] | str | None = "auto"  # initial member weights: "auto" (calibrated), None (uniform), a list
 
     def __post_init__(self) -> None:
         if not isinstance(self.segment_len, int) or self.segment_len < 1:
             raise ConfigError(f"SpecFuseConfig.segment_len must be an integer >= 1, got {self.segment_len!r}")
         if self.score not in SCORES:
             raise ConfigError(f"SpecFuseConfig.score must be one of {SCORES}, got {self.score!r}")
-        if not isinstance(self.hedge_lr, (int, float)) or self.hedge_lr <= 0:
-            raise ConfigError(f"SpecFuseConfig.hedge_lr must be > 0, got {self.hedge_lr!r}")
+        if isinstance(self.hedge_lr, bool) or not isinstance(self.hedge_lr, (int, float)) \
+                or not 0 < self.hedge_lr < math.inf:
+            raise ConfigError(f"SpecFuseConfig.hedge_lr must be a finite number > 0, got {self.hedge_lr!r}")
         if self.exit_threshold is not None and (
                 not isinstance(self.exit_threshold, (int, float)) or not 0 < self.exit_threshold < 1):
             raise ConfigError(f"SpecFuseConfig.exit_threshold must be in (0, 1) or None, got {self.exit_threshold!r}")
@@ -68,6 +69,7 @@ class Draft:
     member: int
     text: bytes  # the segment after cutting (complete UTF-8)
     eos: bool  # the draft ended with the member's EOS (and was not cut)
+    stopped: bool = False  # the draft ends with a stop string (cut right after it)
 
 
 def cut_draft(data: bytes, eos: bool) -> bytes:
@@ -121,25 +123,35 @@ class SpecFuse(Method):
     def check_members(self) -> None:
         check_ensemble_members(self.name, self.members, 0, "SpecFuseConfig.members", self.config.weights)
 
-    def main_member(self) -> int:
-        return 0
+    def main_member(self) -> int | None:
+        return None  # the strongest member counts the budget
 
     # ---- one member's draft --------------------------------------------------------------
-    def _draft(self, i: int, view: CanonicalView, n: int, req: Request, gen: torch.Generator | None) -> Draft:
+    def _draft(self, i: int, view: CanonicalView, n: int, req: Request, gen: torch.Generator | None,
+               text: bytes = b"") -> Draft:
+        """Member i drafts up to n tokens after the shared `text`, ending early at its EOS or at a
+        stop string (cut right after it: nothing past a stop is drafted or scored)."""
         m, state = view.member, view.state
         idx = vocab_index(m)
         base, saved = len(state.ids), (m.ensure_next(state), state.next_logits)
-        data, eos = b"", False
+        data, eos, stop_at = b"", False, None
         for step in range(n):
             tok = pick_token(state.next_logprobs, req.temperature, req.top_p, gen)
             if tok in m.eos_ids:
                 eos = True
                 break
-            data += idx.key_of(tok)
+            key = idx.key_of(tok)
+            data += key
+            stop_at = req.stop_end(text + data, len(text) + len(data) - len(key))
+            if stop_at is not None:
+                data = data[: stop_at - len(text)]
+                break
             if step + 1 < n:
                 m.extend(state, [tok])
         m.crop(state, base)
         state.next_logprobs, state.next_logits = saved  # the cache is back to exactly what it held
+        if stop_at is not None:
+            return Draft(i, data, False, stopped=True)
         return Draft(i, cut_draft(data, eos) if data or eos else b"", eos)
 
     def _score(self, view: CanonicalView, drafts: list[Draft]) -> list[float]:
@@ -158,8 +170,8 @@ class SpecFuse(Method):
         cfg, members = self.config, self.members
         k = len(members)
         views = [CanonicalView.start(m, ids) for m, ids in zip(members, req.prompt_ids)]
-        main = members[0]
-        w = torch.tensor(cfg.weights or [1.0] * k, dtype=torch.float64)
+        main = members[req.main]
+        w = torch.tensor(req.weights or [1.0] * k, dtype=torch.float64)
         w = w / w.sum()
         active = [True] * k
         st = req.stats
@@ -180,9 +192,9 @@ class SpecFuse(Method):
                 todo = [i for i in range(k) if active[i]]
                 st["drafts_saved"] += k - len(todo)
                 if pool is not None:
-                    drafts = list(pool.map(lambda i: self._draft(i, views[i], n, req, gens[i]), todo))
+                    drafts = list(pool.map(lambda i: self._draft(i, views[i], n, req, gens[i], text), todo))
                 else:
-                    drafts = [self._draft(i, views[i], n, req, gens[i]) for i in todo]
+                    drafts = [self._draft(i, views[i], n, req, gens[i], text) for i in todo]
                 drafts = [d for d in drafts if d.text or d.eos]
                 if not drafts:  # every member drafted only bytes that cannot stand alone
                     req.finish_reason = "stop"
@@ -216,7 +228,7 @@ class SpecFuse(Method):
                 text += seg
                 if seg:
                     yield seg.decode("utf-8")
-                if eos:
+                if eos or (best.stopped and seg == best.text):
                     req.finish_reason = "stop"
                     break
                 if st["tokens_out"] >= req.max_new_tokens:

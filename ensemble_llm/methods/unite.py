@@ -9,6 +9,7 @@ argmax (or a sample) is appended. This is the baseline SAFE improves on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -21,13 +22,22 @@ from .sampling import pick_token
 
 
 def check_weights(weights, n: int | None, owner: str) -> None:
-    if weights is None:
+    """Member weights: "auto" (calibrated, see calibrate.py), None (uniform) or one finite
+    non-negative number per member with a positive sum."""
+    if weights is None or (isinstance(weights, str) and weights == "auto"):
         return
     if not isinstance(weights, (list, tuple)) or not weights or any(
-            not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"{owner}.weights must be a list of non-negative numbers with a positive sum, got {weights!r}")
+            isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf for w in weights) \
+            or sum(weights) <= 0:
+        raise ConfigError(f"{owner}.weights must be 'auto', None (uniform) or a list of finite non-negative "
+                          f"numbers with a positive sum, got {weights!r}")
     if n is not None and len(weights) != n:
         raise ConfigError(f"{owner}.weights has {len(weights)} entries for {n} members; give one per member.")
+
+
+def check_main(value, owner: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"{owner} must be a member index >= 0, or None for the strongest member, got {value!r}")
 
 
 def check_ensemble_members(method: str, members: list, index: int, field: str, weights) -> None:
@@ -35,7 +45,7 @@ def check_ensemble_members(method: str, members: list, index: int, field: str, w
     owner = field.split(".")[0]
     if len(members) < 2:
         raise ConfigError(f"method {method!r} needs at least 2 members, got {len(members)}")
-    if index >= len(members):
+    if index is not None and index >= len(members):
         raise ConfigError(f"{field}={index} but there are {len(members)} members")
     check_weights(weights, len(members), owner)
 
@@ -43,14 +53,13 @@ def check_ensemble_members(method: str, members: list, index: int, field: str, w
 @dataclass
 class UniteConfig:
     top_k: int = 10
-    weights: list[float] | None = None  # one per member, default uniform
-    primary: int = 0  # the member whose tokens carry the text (and count the budget)
+    weights: list[float] | str | None = "auto"  # "auto" (calibrated), None (uniform) or one per member
+    primary: int | None = None  # the member whose tokens carry the text; None: the strongest
 
     def __post_init__(self) -> None:
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ConfigError(f"UniteConfig.top_k must be an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.primary, int) or self.primary < 0:
-            raise ConfigError(f"UniteConfig.primary must be a member index >= 0, got {self.primary!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:
+            raise ConfigError(f"UniteConfig.top_k must be an integer in [1, 1000], got {self.top_k!r}")
+        check_main(self.primary, "UniteConfig.primary")
         check_weights(self.weights, None, "UniteConfig")
 
 
@@ -75,12 +84,12 @@ class Unite(Method):
         check_ensemble_members(self.name, self.members, self.config.primary, "UniteConfig.primary",
                                self.config.weights)
 
-    def main_member(self) -> int:
+    def main_member(self) -> int | None:
         return self.config.primary
 
     def run(self, req: Request) -> Iterator[str]:
         cfg, members = self.config, self.members
-        ordered, weights, pstate, views = start_members(members, cfg.primary, cfg.weights, req.prompt_ids)
+        ordered, weights, pstate, views = start_members(members, req.main, req.weights, req.prompt_ids)
         prim = ordered[0]
         pidx = vocab_index(prim)
         st = req.stats

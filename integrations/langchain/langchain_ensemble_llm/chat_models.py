@@ -96,10 +96,11 @@ class EnsembleLLM(BaseChatModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
-    members: list[str] | None = None
-    """Bundled names, local folders, local .gguf files or cached hub ids (default: the bundled pair)."""
+    members: list[str | dict[str, Any]] | None = None
+    """Bundled names, local folders, local .gguf files or cached hub ids (default: the bundled pair), or
+    {"model": ..., "preamble": [messages]} dicts that give one member its own preamble."""
     method: str | None = None
-    """"single", "unite" or "safe" (default "safe" for two or more members)."""
+    """"single", "unite", "safe", "specfuse" or "smc" (default "safe" for two or more members)."""
     config: Any = None
     """The method's config: its dataclass (e.g. `SafeConfig(lookahead=4)`) or a dict."""
     device: Any = "auto"
@@ -161,7 +162,7 @@ class EnsembleLLM(BaseChatModel):
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` in the main member's tokenizer (loads the members)."""
         members = self.engine.members
-        return members[self.engine._method.main_member()].encode(text)
+        return members[self.engine.member_weights("chat")[1]].encode(text)
 
     # ---- tools ---------------------------------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
@@ -183,7 +184,10 @@ class EnsembleLLM(BaseChatModel):
         if model is not None and model != self.model_name:
             raise ValueError(f"EnsembleLLM cannot switch to model {model!r} per call; build another "
                              f"EnsembleLLM(members=[...]) (this one is {self.model_name!r}).")
-        stops = [*(self.stop or []), *(stop or [])]  # duplicates are harmless: StopMatcher drops them
+        # a string is ONE stop string (as in LlamaIndex and OpenAI), never its characters
+        call_stops = [stop] if isinstance(stop, str) else list(stop or [])
+        own = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stops = [*own, *call_stops]  # duplicates are harmless: StopMatcher drops them
         return {
             "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),

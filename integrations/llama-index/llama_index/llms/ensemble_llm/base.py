@@ -8,7 +8,7 @@ async method awaits the engine's own async API, so no event loop is ever blocked
 
 from __future__ import annotations
 
-from typing import Any, AsyncGenerator, Generator, List, Optional, Sequence, Union
+from typing import Any, AsyncGenerator, Dict, Generator, List, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -88,8 +88,10 @@ class EnsembleLLM(FunctionCallingLLM):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt argument is an error
 
-    members: Optional[List[str]] = Field(default=None, description="Bundled names, folders, .gguf files or cached hub ids.")
-    method: Optional[str] = Field(default=None, description='"single", "unite" or "safe" (default safe for 2+ members).')
+    members: Optional[List[Union[str, Dict[str, Any]]]] = Field(
+        default=None, description="Bundled names, folders, .gguf files or cached hub ids; or "
+                                  "{'model': ..., 'preamble': [messages]} dicts.")
+    method: Optional[str] = Field(default=None, description='"single", "unite", "safe", "specfuse" or "smc" (default safe for 2+ members).')
     config: Any = Field(default=None, description="The method's config dataclass or a dict.")
     device: Any = Field(default="auto", description='"auto", a device, or one device per member.')
     dtype: Any = Field(default="auto", description='"auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype.')

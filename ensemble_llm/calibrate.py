@@ -1,0 +1,140 @@
+"""`weights="auto"`: member weights that follow each member's measured competence.
+
+Competence is measured once per member on a small bundled calibration sample
+(`data/calibration.jsonl`: 43 short general-knowledge facts, none of them from the bench's dev
+or chat sets), in the two prompt kinds the engine serves:
+- "raw": a 3-shot "Q: ... A: ..." completion prompt; the target is " <answer>\\n";
+- "chat": the fact as a question ("The capital of Japan is" -> "What is the capital of Japan?") in
+  one user message in the member's own chat format (its template, or the plain transcript with its
+  preamble); the target is a one-sentence reply ("The capital of Japan is Tokyo.").
+For member k and example i, ll[i, k] = log p_k(target_i | prompt_i): the log-probability of the
+target *string* (its canonical tokens, one forward), which is comparable across tokenizers.
+
+Weights are the mixture weights that maximise the calibration likelihood of the mixture,
+    w* = argmax_w  sum_i log sum_k w_k exp(ll[i, k]),
+found by EM (the classic way to fit interpolation weights of language models on held-out text):
+    r[i, k] = w_k p_ik / sum_j w_j p_ij;   w_k = mean_i r[i, k].
+A member that is never more likely than the others gets little weight; members that are right on
+different examples share it. Per-member log-likelihoods are cached on disk (JSON, keyed by the
+model, its preamble and the data), so a member set is calibrated once per machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .members import Member
+from .members.fetch import cache_root
+
+log = logging.getLogger("ensemble_llm")
+KINDS = ("raw", "chat")
+SHOTS = 3
+
+
+def calibration_data() -> list[dict]:
+    path = Path(str(resources.files("ensemble_llm") / "data" / "calibration.jsonl"))
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def raw_prompt(data: list[dict], i: int) -> str:
+    shots = "".join(f"Q: {x['input']}\nA: {x['targets'][0]}\n" for x in data[:SHOTS])
+    return shots + f"Q: {data[i]['input']}\nA:"
+
+
+def as_question(statement: str) -> str:
+    """'The capital of Japan is' -> 'What is the capital of Japan?' (the sample's statement form)."""
+    s = statement.strip()
+    if s.startswith("The ") and s.endswith(" is"):
+        return "What is the " + s[4:-3] + "?"
+    return s + " ...?"
+
+
+def target_logprob(member: Member, prompt_ids: list[int], target: str) -> float:
+    """log p(target | prompt) under `member`: the target's canonical tokens scored in one forward."""
+    tgt = member.encode(target)
+    ids = list(prompt_ids) + tgt
+    x = torch.tensor([ids], dtype=torch.long, device=member.device)
+    logits = member._forward(input_ids=x, logits_to_keep=len(tgt) + 1)[0, :-1]  # rows predicting tgt
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return float(logp.gather(1, torch.tensor(tgt, device=logp.device)[:, None]).sum())
+
+
+def em_weights(ll: np.ndarray, iters: int = 500, tol: float = 1e-9) -> np.ndarray:
+    """Mixture weights maximising sum_i log sum_k w_k exp(ll[i, k]) (EM from uniform)."""
+    n, k = ll.shape
+    w = np.full(k, 1.0 / k)
+    for _ in range(iters):
+        a = ll + np.log(np.maximum(w, 1e-300))
+        r = np.exp(a - np.logaddexp.reduce(a, axis=1, keepdims=True))
+        new = r.mean(axis=0)
+        if np.abs(new - w).max() < tol:
+            return new
+        w = new
+    return w
+
+
+class Calibrator:
+    """Per-member calibration log-likelihoods, computed once and cached on disk."""
+
+    def __init__(self, cache_dir=None) -> None:
+        self.data = calibration_data()
+        digest = hashlib.sha256(json.dumps(self.data, sort_keys=True).encode()).hexdigest()[:12]
+        self.path = cache_root(cache_dir) / "calibration" / f"loglik-{digest}.json"
+        self._memo: dict[str, list[float]] | None = None
+
+    def _load(self) -> dict[str, list[float]]:
+        if self._memo is None:
+            try:
+                self._memo = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self._memo = {}
+        return self._memo
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._memo))
+            tmp.replace(self.path)
+        except OSError as exc:  # a read-only cache only costs a recomputation next time
+            log.warning("could not save calibration cache %s: %s", self.path, exc)
+
+    def loglik(self, member: Member, key: str, kind: str, chat_prompt: Callable[[str], str]) -> list[float]:
+        """ll of every scored example for one member. `key` identifies the member (model and
+        preamble); `chat_prompt(question)` renders a question in the member's chat format."""
+        memo = self._load()
+        name = f"{kind}:{key}"
+        if name not in memo:
+            out = []
+            for i in range(SHOTS, len(self.data)):
+                ex = self.data[i]
+                if kind == "raw":
+                    prompt, target = raw_prompt(self.data, i), " " + ex["targets"][0] + "\n"
+                else:
+                    prompt, target = chat_prompt(as_question(ex["input"])), ex["reply"]
+                out.append(target_logprob(member, member.prompt_ids(prompt), target))
+            memo[name] = out
+            self._save()
+        return memo[name]
+
+    def weights(self, members: Sequence[Member], keys: Sequence[str], kind: str,
+                chat_prompt: Callable[[int, str], str]) -> list[float]:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        ll = np.array([self.loglik(m, k, kind, lambda q, i=i: chat_prompt(i, q))
+                       for i, (m, k) in enumerate(zip(members, keys))]).T  # [N, K]
+        w = em_weights(ll)
+        return [float(x) for x in w]
+
+
+def describe(weights: Sequence[float]) -> str:
+    return "/".join(f"{w:.2f}" for w in weights) if all(math.isfinite(w) for w in weights) else "?"

@@ -1,0 +1,234 @@
+"""What makes the methods pay (issue 17): stop strings end drafts, per-member preambles, weights
+that follow competence ("auto"), SAFE's adaptive lookahead, smc's mode search at temperature 0."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from ensemble_llm import ConfigError, DEFAULT_MODELS, Ensemble, SafeConfig
+from ensemble_llm.bench import contains_answer, load_task, repeats, resolve_task
+from ensemble_llm.calibrate import Calibrator, as_question, em_weights
+from ensemble_llm.chat import BASE_PREAMBLE, check_preamble, with_preamble
+from ensemble_llm.methods.smc import SmcConfig, beam_search, f_ensemble
+from ensemble_llm.methods.unite import UniteConfig
+
+SHOTS = ("Q: The capital of Germany is\nA: Berlin\nQ: The capital of Italy is\nA: Rome\n"
+         "Q: The author of Hamlet is\nA: William Shakespeare\n")
+
+
+# ---- weights="auto": EM mixture weights ----------------------------------------------------------
+def _loglik(ll: np.ndarray, w: np.ndarray) -> float:
+    return float(np.logaddexp.reduce(ll + np.log(np.maximum(w, 1e-300)), axis=1).sum())
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_em_weights_maximise_the_mixture_likelihood_brute_force(k):
+    rng = np.random.default_rng(k)
+    ll = rng.normal(-3, 1.5, size=(30, k))
+    w = em_weights(ll)
+    assert abs(w.sum() - 1) < 1e-9 and (w >= 0).all()
+    grid = np.linspace(0, 1, 101)
+    best = -math.inf
+    for cell in itertools.product(grid, repeat=k - 1):
+        if sum(cell) <= 1:
+            best = max(best, _loglik(ll, np.array([*cell, 1 - sum(cell)])))
+    assert _loglik(ll, w) >= best - 1e-6  # at least as good as the best grid point
+
+
+def test_em_gives_a_dominant_member_almost_all_weight():
+    ll = np.array([[-1.0, -5.0]] * 20)
+    w = em_weights(ll)
+    assert w[0] > 0.99
+
+
+def test_as_question():
+    assert as_question("The capital of Japan is") == "What is the capital of Japan?"
+
+
+def test_auto_weights_cached_and_main_member_rules(tiny_dirs, tmp_path):
+    pair = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    eng = Ensemble(pair, method="unite", cache_dir=tmp_path)
+    w, main = eng.member_weights("raw")
+    assert len(w) == 2 and abs(sum(w) - 1) < 1e-9 and main == int(np.argmax(w))
+    assert (tmp_path / "calibration").is_dir()
+    # a second engine (same members) reads the cache: no forward pass at all
+    again = Ensemble(pair, method="unite", cache_dir=tmp_path)
+    before = [m.n_forward for m in again.members]
+    assert again.member_weights("raw") == (w, main)
+    assert [m.n_forward for m in again.members] == before
+    # explicit weights: normalised, the largest is the main member; uniform: the larger model
+    assert Ensemble(pair, "unite", {"weights": [1, 3]}).member_weights("chat") == ([0.25, 0.75], 1)
+    uni = Ensemble(pair, "unite", {"weights": None})
+    w, main = uni.member_weights("chat")
+    assert w == [0.5, 0.5] and main == max(range(2), key=lambda i: uni.members[i].n_params)
+    # an explicit main member wins
+    assert Ensemble(pair, "safe", {"drafter": 1, "weights": [3, 1]}).member_weights("raw")[1] == 1
+
+
+@pytest.mark.parametrize("bad", [[float("nan"), 1.0], [float("inf"), 1.0], [-1, 2], "uniform", [True, 1]])
+def test_bad_weights_are_refused(bad):
+    with pytest.raises(ConfigError, match="weights"):
+        UniteConfig(weights=bad)
+
+
+def test_unbounded_top_k_and_single_member_smc_are_refused(tiny_dirs):
+    with pytest.raises(ConfigError, match="top_k"):
+        UniteConfig(top_k=10**9)
+    with pytest.raises(ConfigError, match="K >= 2"):
+        Ensemble([tiny_dirs["smol"]], method="smc").load()
+
+
+# ---- preambles ------------------------------------------------------------------------------------
+def test_preamble_rules():
+    assert with_preamble([], [{"role": "user", "content": "hi"}]) == [{"role": "user", "content": "hi"}]
+    merged = with_preamble(list(BASE_PREAMBLE), [{"role": "system", "content": "Be terse."},
+                                                 {"role": "user", "content": "hi"}])
+    assert merged[0]["role"] == "system" and merged[0]["content"].endswith("\nBe terse.")
+    assert merged[1:-1] == list(BASE_PREAMBLE[1:]) and merged[-1] == {"role": "user", "content": "hi"}
+    with pytest.raises(ConfigError, match="preamble message 1"):
+        check_preamble([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}], "m")
+    with pytest.raises(ConfigError, match="system message must come first"):
+        check_preamble([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], "m")
+
+
+def test_member_dict_gives_that_member_its_preamble(tiny_dirs):
+    own = [{"role": "user", "content": "Ping?"}, {"role": "assistant", "content": "Pong."}]
+    eng = Ensemble([{"model": tiny_dirs["smol"], "preamble": own}, tiny_dirs["gemma"]], method="unite")
+    texts, _ = eng._prompts(eng._check("What is 2+2?"), eng.members)
+    assert "Ping?" in texts[0] and "Pong." in texts[0] and "Ping?" not in texts[1]
+    assert BASE_PREAMBLE[2]["content"] in texts[1]  # Gemma's tokenizer has no template: the built-in one
+    assert texts[1].rstrip().endswith("What is 2+2?\nAssistant:")
+    off = Ensemble([tiny_dirs["smol"], {"model": tiny_dirs["gemma"], "preamble": []}], method="unite")
+    texts, _ = off._prompts(off._check("What is 2+2?"), off.members)
+    assert BASE_PREAMBLE[2]["content"] not in texts[1]
+    raw, _ = eng._prompts(eng._check("Q: x\nA:", raw=True), eng.members)
+    assert raw == ["Q: x\nA:", "Q: x\nA:"]  # raw prompts are used as they are
+    with pytest.raises(ConfigError, match="needs a 'model'"):
+        Ensemble([{"preamble": own}])
+    with pytest.raises(ConfigError, match="preamble"):
+        Ensemble([{"model": tiny_dirs["smol"], "preamble": "be nice"}])
+
+
+# ---- SAFE: adaptive lookahead, and a drafter-only weighting is the drafter itself ----------------
+def test_safe_with_all_weight_on_the_drafter_is_the_drafter_and_lookahead_grows(tiny_dirs):
+    pair = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    alone = Ensemble(pair, "single", {"member": 0}).generate("Tell me about the sea", max_new_tokens=30)
+    eng = Ensemble(pair, "safe", {"drafter": 0, "weights": [1.0, 0.0], "lookahead": 3})
+    res = eng.generate("Tell me about the sea", max_new_tokens=30)
+    assert res.text == alone.text  # every ensemble point picks the drafter's own argmax
+    st = res.stats
+    assert st["replacements"] == 0
+    # no replacement: the lookahead goes 3, 5, 7, ... so 30 tokens need at most 5 cycles (fixed: 10)
+    assert st["cycles"] <= 5
+    fixed = Ensemble(pair, "safe", {"drafter": 0, "weights": [1.0, 0.0], "lookahead": 3, "adaptive": False})
+    assert fixed.generate("Tell me about the sea", max_new_tokens=30).stats["cycles"] >= st["cycles"]
+    with pytest.raises(ConfigError, match="adaptive"):
+        SafeConfig(adaptive="yes")
+
+
+# ---- smc at temperature 0: beam search for the mode of pi_f -----------------------------------------
+class TableLM:
+    """A byte LM over {a, b} + EOS with random conditionals; EOS is certain at length L."""
+
+    def __init__(self, seed: int, L: int) -> None:
+        self.seed, self.L = seed, L
+
+    def logq(self, x: bytes) -> np.ndarray:
+        import hashlib
+
+        out = np.full(257, -math.inf)
+        if len(x) >= self.L:
+            out[256] = 0.0
+            return out
+        h = hashlib.sha256(bytes([self.seed]) + x).digest()
+        w = np.array([1 + h[0], 1 + h[1], 1 + h[2]], dtype=float) ** 2
+        out[[ord("a"), ord("b"), 256]] = np.log(w / w.sum())
+        return out
+
+    def next_logprobs(self, states):
+        return np.stack([self.logq(s) for s in states])
+
+    def advance(self, state, b):
+        return state + bytes([b])
+
+
+@pytest.mark.parametrize("tau", [0.0, 1.0, -math.inf, 2.0], ids=["product", "mixture", "min", "power2"])
+def test_beam_search_finds_the_exact_mode_of_the_f_ensemble(tau):
+    for seeds in ((1, 2, 3), (4, 5, 6), (7, 8, 9)):
+        lms = [TableLM(s, L=4) for s in seeds]
+        a = np.array([0.2, 0.3, 0.5])
+        strings = [b"".join(t) for n in range(5) for t in itertools.product([b"a", b"b"], repeat=n)]
+        logp = [[sum(lm.logq(x[:i])[x[i]] for i in range(len(x))) + lm.logq(x)[256] for x in strings] for lm in lms]
+        psi = f_ensemble(np.array(logp), tau, a)
+        run = None
+        for run in beam_search(lms, [b""] * 3, tau=tau, weights=a, width=16, finished=lambda p: None):
+            pass
+        best = run.best()
+        assert best.text == strings[int(np.argmax(psi))]
+        assert abs(best.logw - float(psi.max())) < 1e-9
+
+
+def test_smc_temperature_zero_searches_deterministically(tiny_dirs):
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={"n_particles": 3})
+    res = eng.generate("Tell me about the sea.", max_new_tokens=6)
+    assert res.stats["search"] == "beam" and res.stats["beam_steps"] >= 1
+    assert "".join(eng.stream("Tell me about the sea.", max_new_tokens=6)) == res.text
+    for m in eng.members:  # one prefill, then at most one batched forward per byte step
+        assert res.stats["members"][m.name]["forward_passes"] <= res.stats["beam_steps"] + 1
+    sample = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc",
+                      config={"n_particles": 3, "greedy": "sample"}).generate("Hi", max_new_tokens=4)
+    assert sample.stats["search"] == "smc"
+    with pytest.raises(ConfigError, match="greedy"):
+        SmcConfig(greedy="argmax")
+
+
+# ---- bench scoring helpers ----------------------------------------------------------------------------
+def test_chat_scoring_helpers():
+    assert repeats("I'm happy to help you with that. Paris. I'm happy to help you with that.")
+    assert repeats("one two three four five six and one two three four five six")
+    assert not repeats("The capital of France is Paris. It is a large city.")
+    assert contains_answer("It is PARIS.", ["Paris"]) and not contains_answer("Lyon", ["Paris"])
+    path, n = resolve_task("chat_facts", 10)
+    shots, exs = load_task(path, n)
+    assert shots == "" and len(exs) == 10 and all(e["targets"] for e in exs)
+    assert len(load_task(path, 1000)[1]) >= 40
+
+
+# ---- the real bundled models ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair_engines(real_dirs):
+    return {m: Ensemble(list(DEFAULT_MODELS), method=m, config={"n_particles": 4} if m == "smc" else None).load()
+            for m in ("unite", "safe", "specfuse", "smc")}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
+def test_one_word_answer_costs_no_draft_past_the_stop(pair_engines, method):
+    """A one-word few-shot answer: the stop "\\n" ends drafting, scoring and verifying at once."""
+    eng = pair_engines[method]
+    res = eng.generate(SHOTS + "Q: The capital of France is\nA:", raw=True, max_new_tokens=16, stop=["\n"])
+    assert res.text.strip() == "Paris" and res.finish_reason == "stop"
+    fwd = {name: f["forward_passes"] for name, f in res.stats["members"].items()}
+    main = eng.members[eng.member_weights("raw")[1]]
+    answer = len(main.encode(" Paris\n"))  # the tokens up to and including the stop
+    if method == "safe":
+        assert res.stats["cycles"] == 1
+        assert fwd[main.name] <= 1 + answer  # prefill + one per drafted token before the stop
+        assert all(v <= 2 for k, v in fwd.items() if k != main.name)  # prefill + one verify pass
+    elif method == "specfuse":
+        assert res.stats["rounds"] == 1
+        assert all(v <= 2 + answer for v in fwd.values())  # prefill + drafts + one scoring pass
+    elif method == "unite":
+        assert all(v <= 1 + answer for v in fwd.values())
+
+
+@pytest.mark.real
+def test_base_model_answers_like_an_assistant_with_its_preamble(real_dirs):
+    gemma = Ensemble(["gemma-3-270m"])
+    assert "Paris" in gemma.generate("What is the capital of France?", max_new_tokens=24).text
+    bare = Ensemble([{"model": "gemma-3-270m", "preamble": []}])
+    assert bare.member_preamble(0) == []
