@@ -216,33 +216,60 @@ class Member:
     def forward_rows(self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]],
                      tokens: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One forward of B single tokens, row r continuing prefix + paths[r] (a list of one-token
-        KV slices [layers, 2, heads, 1, dim], as returned here). Rows are left-padded so every key
-        keeps its true distance to the query (sliding-window layers stay exact) and the new
-        token's position is given explicitly. Returns raw logits [B, V] and the new token's KV
-        slice for every row."""
+        KV slices [layers, 2, heads, 1, dim], as returned here, oldest first).
+
+        Tree attention: the prefix and every distinct path slice (rows of a context tree share
+        their ancestors) are laid out ONCE as one cached sequence, and the B new tokens are one
+        query row each under a mask that lets token r see the prefix, its own path and itself,
+        with its true position id. Copying the prefix into B padded rows instead made the cost
+        grow with B x prompt length (memory copies, not attention, dominated long chat prompts).
+        Sliding-window layers get a mask of their own, so they stay exact. Returns raw logits
+        [B, V] and the new token's KV slice for every row."""
         if not tokens or len(paths) != len(tokens):
             raise ValueError("forward_rows needs one path per token and at least one token")
         n_prefix = prefix_kv.shape[3]
-        lens = [len(p) for p in paths]
-        width = max(lens)
-        rows = []
+        col: dict[int, int] = {}  # id(slice) -> its column after the prefix
+        nodes: list[torch.Tensor] = []
+        node_pos: list[int] = []
         for path in paths:
-            pad = width - len(path)
-            parts = [prefix_kv.new_zeros(*prefix_kv.shape[:3], pad, prefix_kv.shape[4])] if pad else []
-            rows.append(torch.cat(parts + [prefix_kv] + list(path), dim=3))
-        kv = torch.stack(rows, dim=2)  # [layers, 2, B, heads, T, dim]
-        cache = DynamicCache(ddp_cache_data=[(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
-        mask = torch.ones((len(tokens), n_prefix + width + 1), dtype=torch.long, device=self.device)
-        for r, n in enumerate(lens):
-            mask[r, : width - n] = 0
+            for depth, kv in enumerate(path):
+                if id(kv) not in col:
+                    col[id(kv)] = len(nodes)
+                    nodes.append(kv)
+                    node_pos.append(n_prefix + depth)
+        n_ctx, b = n_prefix + len(nodes), len(tokens)
+        kv = torch.cat([prefix_kv] + nodes, dim=3) if nodes else prefix_kv  # [layers, 2, heads, T+N, dim]
+        cache = DynamicCache(ddp_cache_data=[(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])])
+        neg = torch.finfo(self.dtype).min
+        mask = torch.full((b, n_ctx + b), neg, dtype=self.dtype, device=self.device)
+        mask[:, :n_prefix] = 0.0
+        for r, path in enumerate(paths):
+            for node in path:
+                mask[r, n_prefix + col[id(node)]] = 0.0
+            mask[r, n_ctx + r] = 0.0
+        qpos = torch.tensor([n_prefix + len(p) for p in paths], device=self.device)
+        kpos = torch.cat([torch.arange(n_prefix, device=self.device),
+                          torch.tensor(node_pos, dtype=torch.long, device=self.device), qpos])
         logits = self._forward(
-            input_ids=torch.tensor([[int(t)] for t in tokens], device=self.device),
-            attention_mask=mask,
-            position_ids=torch.tensor([[n_prefix + n] for n in lens], device=self.device),
+            input_ids=torch.tensor([[int(t) for t in tokens]], device=self.device),
+            attention_mask=self._layer_masks(mask, qpos, kpos),
+            position_ids=qpos[None],
             cache=cache, use_cache=True,
-        )[:, -1]
-        new = torch.stack([torch.stack([layer.keys[:, :, -1:], layer.values[:, :, -1:]]) for layer in cache.layers])
-        return logits.float(), [new[:, :, r].clone() for r in range(len(tokens))]
+        )[0]
+        new = torch.stack([torch.stack([layer.keys[0, :, n_ctx:], layer.values[0, :, n_ctx:]])
+                           for layer in cache.layers])  # [layers, 2, heads, B, dim]
+        return logits.float(), [new[:, :, :, r : r + 1].clone() for r in range(b)]
+
+    def _layer_masks(self, mask: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> Any:
+        """The 4-D additive mask for every layer from a [q, k] mask; a model with sliding-window
+        layers gets a second mask for them (a query at position i sees keys j with i - j < window)."""
+        cfg = self.model.config.get_text_config(decoder=True)
+        window = getattr(cfg, "sliding_window", None)
+        if window and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            far = (qpos[:, None] - kpos[None, :]) >= window
+            neg = torch.finfo(self.dtype).min
+            return {"full_attention": mask[None, None], "sliding_attention": mask.masked_fill(far, neg)[None, None]}
+        return mask[None, None]
 
     def score_inline(self, state: KVState, candidates: Sequence[Sequence[int]],
                      raw_logits: bool = False) -> list[torch.Tensor]:
@@ -266,16 +293,8 @@ class Member:
         for s, c in zip(starts, candidates):
             blk = torch.triu(torch.full((len(c), len(c)), neg, dtype=self.dtype, device=self.device), 1)
             mask[s : s + len(c), p + s : p + s + len(c)] = blk
-        attention_mask: Any = mask[None, None]
-        cfg = self.model.config.get_text_config(decoder=True)
-        window = getattr(cfg, "sliding_window", None)
-        if window and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-            # sliding layers get their own mask: a query at position i sees keys j with i - j < window
-            qpos = torch.tensor(pos, device=self.device)
-            kpos = torch.cat([torch.arange(p, device=self.device), qpos])
-            far = (qpos[:, None] - kpos[None, :]) >= window
-            attention_mask = {"full_attention": mask[None, None],
-                              "sliding_attention": mask.masked_fill(far, neg)[None, None]}
+        qpos = torch.tensor(pos, device=self.device)
+        attention_mask = self._layer_masks(mask, qpos, torch.cat([torch.arange(p, device=self.device), qpos]))
         logits = self._forward(
             input_ids=torch.tensor([flat], device=self.device),
             attention_mask=attention_mask,
