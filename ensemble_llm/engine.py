@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import queue
 import threading
@@ -21,7 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 import torch
 
 from .chat import (BASE_PREAMBLE, ToolCall, ToolTextFilter, call_key, check_preamble, check_tool_choice, check_tools,
-                   guided_call, history_calls, member_messages, with_preamble)
+                   content_text, guided_call, history_calls, member_messages, with_preamble)
 from .errors import ConfigError, EnsembleError, GenerationError, RequestError, RequestTimeout
 from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolve_dtype, resolve_source
 from .members.loader import local_dir
@@ -71,6 +72,55 @@ class _Params:
     seed: int | None
     stop: list[str]
     timeout: float | None
+    submitted: float = field(default_factory=time.perf_counter)  # the timeout counts from here
+
+    def check_deadline(self) -> None:
+        """RequestTimeout once `timeout` seconds have passed since the request was submitted
+        (time waiting in the queue, loading and any retry all count)."""
+        if self.timeout is not None and time.perf_counter() - self.submitted > self.timeout:
+            raise RequestTimeout(f"the request took longer than timeout={self.timeout:g} s (queue wait included); "
+                                 "raise the timeout or lower max_new_tokens.")
+
+
+def _check_text(text: str, what: str) -> None:
+    """Text the tokenizers can take: valid Unicode (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{what} holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not "
+                           "valid Unicode; decode your bytes with errors='replace' or remove it.") from None
+
+
+def _check_message(m: Any, i: int) -> None:
+    """One chat message: a known role, and text content the members can read. Content is a string
+    or a list of text parts; image/audio parts and other objects are refused, naming the part.
+    Empty content is refused too, except for an assistant turn that carries tool calls."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise RequestError(f"message {i} must be a dict with 'role' in {ROLES}, got {m!r}")
+    content = m.get("content")
+    if isinstance(content, (list, tuple)):
+        for j, part in enumerate(content):
+            if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") == "text"
+                                         and isinstance(part.get("text"), str)):
+                continue
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"message {i} ({m['role']}) content part {j} is {kind!r}, which these text-only "
+                               "models cannot read; send text parts ({'type': 'text', 'text': ...}) only.")
+    elif content is not None and not isinstance(content, str):
+        raise RequestError(f"message {i} ({m['role']}) content must be a string or a list of text parts, "
+                           f"got {type(content).__name__}")
+    text = content_text(content)
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, (list, tuple)) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls):
+            raise RequestError(f"message {i}: tool_calls belong to assistant messages and look like "
+                               "[{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}], "
+                               f"got {calls!r}")
+    if not text.strip() and not (m["role"] == "assistant" and calls) and m["role"] != "tool":
+        raise RequestError(f"message {i} ({m['role']}) has no text content; give it non-empty 'content'.")
+    _check_text(text, f"message {i} ({m['role']})")
 
 
 MEMBER_KEYS = ("model", "preamble")
@@ -181,7 +231,7 @@ class Ensemble:
         self._members: list[Member] | None = None
         self._method = None
         self._auto: dict[str, list[float]] = {}  # "auto" weights per prompt kind, once calibrated
-        self._load_lock = threading.Lock()
+        self._load_lock = threading.RLock()  # load() calibrates "auto" weights, which asks for the members
         self._jobs: "queue.Queue" = queue.Queue()
         self._worker: threading.Thread | None = None
         self._worker_lock = threading.Lock()
@@ -230,6 +280,8 @@ class Ensemble:
                 method = self.method_class(members, self.config)
                 method.check_members()
                 self._members, self._method = members, method
+                for kind in ("chat", "raw"):  # "auto" weights: calibrated (or read from the cache) now
+                    self.member_weights(kind)
         return self
 
     @property
@@ -255,7 +307,7 @@ class Ensemble:
         once per member and cached on disk). The main member (drafter / primary) is the config's,
         else the one with the largest weight, else (uniform weights) the one with the most
         parameters."""
-        members, method = self.members, self._method
+        members, method = self.load()._members, self._method
         given = method.member_weights()
         if isinstance(given, str) and given == "auto" and len(members) > 1:
             if kind not in self._auto:
@@ -345,12 +397,12 @@ class Ensemble:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("the prompt is empty; pass a non-empty string or a list of messages.")
+            _check_text(prompt, "the prompt")
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise RequestError("the message list is empty; pass at least one {'role': 'user', 'content': ...}.")
             for i, m in enumerate(prompt):
-                if not isinstance(m, dict) or m.get("role") not in ROLES:
-                    raise RequestError(f"message {i} must be a dict with 'role' in {ROLES}, got {m!r}")
+                _check_message(m, i)
             if raw:
                 raise RequestError("raw=True takes a prompt string, not messages.")
             prompt = [dict(m) for m in prompt]
@@ -358,14 +410,15 @@ class Ensemble:
             raise RequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
-            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
         if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError(f"seed must be an integer or None, got {seed!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise RequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < math.inf):
+            raise RequestError(f"timeout must be a positive finite number of seconds or None, got {timeout!r}")
         tools = check_tools(tools)
         tool_choice = check_tool_choice(tool_choice, tools)
         if tools and tool_choice not in ("auto", "none"):
@@ -375,9 +428,13 @@ class Ensemble:
                 guided_call(tools, name, lambda text, stops, n: "")
         if tools and raw:
             raise RequestError("tools need a chat prompt (a string or messages) with raw=False.")
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) for s in stops):
             raise RequestError(f"stop must be a string or a list of strings, got {stop!r}")
+        for s in stops:
+            _check_text(s, f"stop string {s!r}")
         return _Params(prompt, bool(raw), tools, tool_choice, max_new_tokens, float(temperature), float(top_p), seed,
                        [s for s in stops if s], None if timeout is None else float(timeout))
 
@@ -395,6 +452,7 @@ class Ensemble:
             if cancel.is_set():
                 continue
             try:
+                params.check_deadline()  # it may have expired while waiting in the queue
                 result = self._execute(params, lambda d: sink("delta", d), cancel)
                 sink("done", result)
             except EnsembleError as exc:
@@ -423,6 +481,7 @@ class Ensemble:
         members, method = self.members, self._method
         texts, stops = self._prompts(params, members)
         weights, main = self.member_weights("raw" if params.raw else "chat")
+        params.check_deadline()  # loading or calibrating may have used it up
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         before = [(m.n_forward, m.forward_time) for m in members]
@@ -452,9 +511,7 @@ class Ensemble:
             gen = method.run(req)
             try:
                 for piece in gen:
-                    if params.timeout is not None and time.perf_counter() - t0 > params.timeout:
-                        raise RequestTimeout(f"generation took longer than timeout={params.timeout:g} s; raise the "
-                                             "timeout or lower max_new_tokens.")
+                    params.check_deadline()
                     on_text(matcher.feed(piece))
                     if matcher.stopped or cancel.is_set():
                         req.finish_reason = "stop"
@@ -474,9 +531,7 @@ class Ensemble:
             runs = []
 
             def fill(reply: str, value_stops: list[str], max_new: int) -> str:
-                if params.timeout is not None and time.perf_counter() - t0 > params.timeout:
-                    raise RequestTimeout(f"generation took longer than timeout={params.timeout:g} s; raise the "
-                                         "timeout or lower max_new_tokens.")
+                params.check_deadline()
                 if left[0] <= 0 or cancel.is_set():
                     return ""
                 got: list[str] = []

@@ -161,6 +161,22 @@ def test_hub_id_not_in_cache_is_a_clear_offline_error(tmp_path, monkeypatch):
     (dict(prompt="hi", temperature=-0.5), "temperature"),
     (dict(prompt="hi", top_p=0), "top_p"),
     (dict(prompt="hi", stop=[3]), "stop"),
+    # reliability D3-D6, D11: refused before any work, naming the problem
+    (dict(prompt=[{"role": "user"}]), "no text content"),
+    (dict(prompt=[{"role": "user", "content": None}]), "no text content"),
+    (dict(prompt=[{"role": "user", "content": "  "}]), "no text content"),
+    (dict(prompt=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "part 0 is 'image_url'"),
+    (dict(prompt=[{"role": "user", "content": {"text": "hi"}}]), "string or a list of text parts"),
+    (dict(prompt=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]), "tool_calls"),
+    (dict(prompt="hi", temperature=float("inf")), "finite"),
+    (dict(prompt="hi", temperature=float("nan")), "finite"),
+    (dict(prompt="hi", timeout=float("nan")), "timeout"),
+    (dict(prompt="hi", timeout=float("inf")), "timeout"),
+    (dict(prompt="hi", seed=2**64), "seed"),
+    (dict(prompt="hi", stop=123), "stop must be a string"),
+    (dict(prompt="caf\udce9"), "lone surrogate"),
+    (dict(prompt=[{"role": "user", "content": "x\ud800"}]), "lone surrogate"),
 ])
 def test_bad_requests(engine, kw, match):
     prompt = kw.pop("prompt")
@@ -216,3 +232,24 @@ def test_same_model_is_loaded_once_per_process(tiny_dirs):
     a = Ensemble([tiny_dirs["smol"]]).load()
     b = Ensemble([tiny_dirs["smol"]]).load()
     assert a.members[0] is b.members[0]
+
+
+def test_timeout_counts_the_time_waiting_in_the_queue(engine):
+    """Reliability D6: a request queued behind a long one times out on its own clock."""
+    from ensemble_llm import RequestTimeout
+
+    long = engine.stream("Tell me a long story.", max_new_tokens=300)
+    short = engine.stream("hi", max_new_tokens=2, timeout=0.05)
+    t = time.perf_counter()
+    with pytest.raises(RequestTimeout, match="queue wait included"):
+        list(short)
+    list(long)
+    assert time.perf_counter() - t < 120
+    assert engine.generate("hi", max_new_tokens=2).finish_reason in ("stop", "length")
+
+
+def test_budget_never_ends_in_a_replacement_character(engine):
+    """Reliability D12: a character cut by max_new_tokens is dropped, not shown as U+FFFD."""
+    for n in range(1, 6):
+        res = engine.generate("Write one sentence about 東京 and München.", max_new_tokens=n, temperature=1.0, seed=n)
+        assert not res.text.endswith("\ufffd")

@@ -24,7 +24,8 @@ class IncrementalDecoder:
         return delta
 
     def flush(self) -> str:
-        text = self.member.decode(self.ids)
+        """The rest; a character left incomplete by the token budget (decoded as U+FFFD) is dropped."""
+        text = self.member.decode(self.ids).rstrip("\ufffd")
         delta = text[self.emitted:]
         self.emitted = len(text)
         return delta

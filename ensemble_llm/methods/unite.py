@@ -70,7 +70,15 @@ class Emitter:
         self.sent = 0
 
     def take(self, data: bytes, final: bool = False) -> str:
-        cut = len(data) if final else valid_utf8_prefix(data)
+        """New complete text of `data`; at the end (final) invalid bytes become U+FFFD, but a
+        character left incomplete by the budget at the very end is dropped."""
+        cut = valid_utf8_prefix(data)
+        if final and cut < len(data):
+            try:
+                data[cut:].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if exc.reason != "unexpected end of data":
+                    cut = len(data)
         out = data[self.sent:cut].decode("utf-8", errors="replace")
         self.sent = max(self.sent, cut)
         return out
