@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
 from .errors import ConfigError, RequestError
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -46,6 +48,16 @@ def check_tools(tools: Any) -> list[dict] | None:
                 f"got {t!r}")
         if fn["name"] in names:
             raise RequestError(f"two tools are named {fn['name']!r}; tool names must be unique.")
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise RequestError(f"tool {fn['name']!r}: 'parameters' must be a JSON Schema object, got {params!r}")
+            try:  # the JSON Schema meta-schema of the schema's own draft (2020-12 when it names none)
+                jsonschema.validators.validator_for(params).check_schema(params)
+            except jsonschema.SchemaError as exc:
+                where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+                raise RequestError(f"tool {fn['name']!r}: 'parameters' is not a valid JSON Schema at {where}: "
+                                   f"{exc.message}") from None
         names.add(fn["name"])
         out.append({"type": "function", "function": dict(fn)})
     return out or None
@@ -513,6 +525,8 @@ def guided_call(tools: list[dict], tool_choice: str, gen) -> str:
         name = next(iter(by_name)) if tool_choice == "required" else tool_choice
     text += json.dumps(name) + ', "arguments": '
     params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
+    if isinstance(params, dict) and "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
+        params = {**params, "type": "object"}  # a tool's arguments are always an object
     if not isinstance(params, dict):
         raise RequestError(f"tool {name!r}: 'parameters' must be a JSON Schema object, got {params!r}")
     defs = params.get("$defs") or params.get("definitions") or {}

@@ -286,3 +286,21 @@ def test_recursive_optional_model_ends_in_null():
     text = guided_call([tool], "Node", lambda t, stops, n: "leaf")
     call = json.loads(text[len(TOOL_OPEN):-len(TOOL_CLOSE)])
     assert call["arguments"] == {"value": "leaf", "child": None}
+
+
+@pytest.mark.parametrize("params", [{"type": "object", "properties": {}}, {}, None])
+def test_forced_call_without_properties_is_a_call_with_empty_arguments(tiny_dirs, params):
+    """Reliability D8: no '"arguments": null', no raw markup in the text."""
+    eng = Ensemble([tiny_dirs["smol"]])
+    fn = {"name": "ping", **({} if params is None else {"parameters": params})}
+    res = eng.generate("Ping the server.", tools=[{"type": "function", "function": fn}], tool_choice="ping")
+    assert [(c.name, c.arguments) for c in res.tool_calls] == [("ping", {})]
+    assert TOOL_OPEN not in res.text and res.finish_reason == "tool_calls"
+
+
+def test_tool_schemas_are_checked_against_the_meta_schema(tiny_dirs):
+    eng = Ensemble([tiny_dirs["smol"]])
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    with pytest.raises(RequestError, match="not a valid JSON Schema"):
+        eng.generate("hi", tools=[bad])
+    assert eng.generate("hi", max_new_tokens=2).usage.completion_tokens <= 2
