@@ -225,6 +225,8 @@ class Ensemble:
         self.method_name = method
         self.method_class = get_method(method)
         self.config = self.method_class.make_config(config)
+        # member-count rules (>= 2 members, indices and weights per member) need no weights: check now
+        self.method_class(self.sources, self.config).check_members()
         self.cache_dir = cache_dir
         self.trust_remote_code = bool(trust_remote_code)
         self.progress = progress

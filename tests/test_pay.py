@@ -79,7 +79,12 @@ def test_unbounded_top_k_and_single_member_smc_are_refused(tiny_dirs):
     with pytest.raises(ConfigError, match="top_k"):
         UniteConfig(top_k=10**9)
     with pytest.raises(ConfigError, match="K >= 2"):
-        Ensemble([tiny_dirs["smol"]], method="smc").load()
+        Ensemble([tiny_dirs["smol"]], method="smc")  # at construction, nothing loaded (reliability D13)
+    for method in ("safe", "unite", "specfuse"):
+        with pytest.raises(ConfigError, match="at least 2 members"):
+            Ensemble([tiny_dirs["smol"]], method=method)
+    with pytest.raises(ConfigError, match="weights"):
+        Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe", config={"weights": [1, 2, 3]})
 
 
 # ---- preambles ------------------------------------------------------------------------------------

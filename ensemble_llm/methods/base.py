@@ -88,7 +88,8 @@ class Method(abc.ABC):
         return config
 
     def check_members(self) -> None:
-        """Raise ConfigError when the members do not suit this method (called once members load)."""
+        """Raise ConfigError when the members do not suit this method. Only their number may be
+        used: the engine calls it at construction with the unloaded sources, and again at load."""
 
     def main_member(self) -> int | None:
         """Index of the member whose tokens count the budget and the usage; None lets the engine
