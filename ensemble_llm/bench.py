@@ -210,7 +210,8 @@ def _progress(total: int, enabled: bool):
 
 
 def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Sequence[tuple[Path, int]], *, speed_prompts: int = 5, max_new_tokens: int = 64,
-              third_member: str | None = None, device: str = "auto", progress: bool = True) -> dict:
+              third_member: str | None = None, device: str = "auto", progress: bool = True,
+              preambles: bool = True) -> dict:
     """Run the benchmark and return the results dict (see module docstring)."""
     models = list(models)
     specs = list(methods)
@@ -226,7 +227,11 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
     if third_member:  # the members-scaling section: every ensemble method again with 3 members
         specs += [MethodSpec(s.label + "+3", s.method, s.config, models + [third_member])
                   for s in methods if s.method != "single"]
-    engines = {s.label: Ensemble(s.members or models, s.method, s.config, device=device, progress=progress)
+    def members_of(spec: MethodSpec) -> list:  # preambles=False: none, the base-model one included
+        names = list(spec.members or models)
+        return names if preambles else [{"model": m, "preamble": []} for m in names]
+
+    engines = {s.label: Ensemble(members_of(s), s.method, s.config, device=device, progress=progress)
                for s in specs}
     for eng in engines.values():
         eng.load()
@@ -291,7 +296,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
 
     base = "single-0" if "single-0" in engines else None
     results: dict[str, Any] = {
-        "models": models, "third_member": third_member,
+        "models": models, "third_member": third_member, "preambles": preambles,
         "devices": sorted({str(m.device) for e in engines.values() for m in e.members}),
         "dtype": str(first[0].dtype), "torch": torch.__version__, "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),

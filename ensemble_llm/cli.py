@@ -90,7 +90,7 @@ def _cmd_bench(args) -> int:
         t0 = time.perf_counter()
         results = run_bench(models, specs, tasks, speed_prompts=args.speed_prompts,
                             max_new_tokens=args.max_new_tokens, third_member=args.third_member,
-                            device=args.device, progress=not args.quiet)
+                            device=args.device, progress=not args.quiet, preambles=not args.no_preamble)
         results["command"] = "ensemble-llm " + " ".join(shlex.quote(a) for a in args.argv)
         paths = write(results, Path(args.out))
     except EnsembleError as exc:
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=40, help="budget of each speed prompt")
     b.add_argument("--third-member", default=None,
                    help="also run every ensemble method with this third member, e.g. qwen2.5-coder-1.5b-instruct")
+    b.add_argument("--no-preamble", action="store_true",
+                   help="give no member a preamble (measures what the base-model preamble does)")
     b.add_argument("--device", default="auto")
     b.add_argument("--out", default="bench-results")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

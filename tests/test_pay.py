@@ -237,3 +237,15 @@ def test_base_model_answers_like_an_assistant_with_its_preamble(real_dirs):
     assert "Paris" in gemma.generate("What is the capital of France?", max_new_tokens=24).text
     bare = Ensemble([{"model": "gemma-3-270m", "preamble": []}])
     assert bare.member_preamble(0) == []
+
+
+def test_bench_chat_task_with_and_without_preambles(tiny_dirs):
+    from ensemble_llm.bench import parse_methods, run_bench
+
+    models = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    for pre in (True, False):
+        res = run_bench(models, parse_methods(["single:member=1"], 2), [resolve_task("chat_facts:2", 0)],
+                        speed_prompts=0, progress=False, preambles=pre)
+        row = res["methods"]["single-1"]
+        assert res["preambles"] is pre and row["correct"]["chat_facts"] in (0, 1, 2)
+        assert row["repeating"]["chat_facts"] in (0, 1, 2)
