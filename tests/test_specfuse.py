@@ -135,3 +135,47 @@ def test_real_pair_well_formed():
     assert "\ufffd" not in res.text and res.text.strip() and "<" not in res.text
     assert "Paris" in res.text
     assert res.stats["rounds"] == sum(res.stats["wins"].values())
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])
+def test_kept_candidate_equals_a_plain_extension(tiny_members, key):
+    """The winner's KV from the scoring forward is the KV a plain extension computes: keeping it
+    leaves the cache and next distribution of a fresh prefill (tiny Gemma: sliding window 8)."""
+    m = tiny_members[key]
+    ctx = m.prompt_ids("The weather today is")
+    cands = [m.encode(" sunny"), m.encode(" cold and very windy, sadly."), m.encode(" ok")]
+    for index in range(3):
+        state = m.prefill(ctx)
+        m.score_inline(state, cands, keep=True)
+        m.keep_candidate(state, index)
+        fresh = m.prefill(ctx + cands[index])
+        assert state.ids == fresh.ids
+        for a, b in zip(state.cache.layers, fresh.cache.layers):
+            assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+        assert torch.allclose(state.next_logprobs, fresh.next_logprobs, atol=1e-4)
+        m.extend(state, [5])  # the cache goes on as usual
+        assert torch.allclose(state.next_logprobs, m.prefill(ctx + cands[index] + [5]).next_logprobs, atol=1e-4)
+    state = m.prefill(ctx)
+    m.score_inline(state, cands, keep=True)
+    m.drop_candidates(state)
+    assert state.ids == ctx and state.cache.get_seq_length() == len(ctx)
+
+
+def test_keeping_scored_kv_changes_nothing_but_forward_passes(tiny_dirs, monkeypatch):
+    """Fast path (keep the winner's scored KV) against the slow path (re-sync every member)."""
+    from ensemble_llm.methods.specfuse import SpecFuse
+
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="specfuse", config={"segment_len": 4})
+    fast = eng.generate("Tell me about the sea", max_new_tokens=24)
+    assert fast.stats["kept_scored_kv"] >= 1
+
+    def slow(view, decoded, old, ids, index):
+        view.member.drop_candidates(view.state)
+        view.sync(decoded, from_byte=old)
+        return False
+
+    monkeypatch.setattr(SpecFuse, "_advance", staticmethod(slow))
+    ref = eng.generate("Tell me about the sea", max_new_tokens=24)
+    assert ref.text == fast.text
+    passes = lambda r: sum(f["forward_passes"] for f in r.stats["members"].values())  # noqa: E731
+    assert passes(fast) == passes(ref) - fast.stats["kept_scored_kv"]

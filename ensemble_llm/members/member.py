@@ -34,6 +34,7 @@ class KVState:
     cache: Any = None
     next_logprobs: torch.Tensor | None = None  # [V] float32
     next_logits: torch.Tensor | None = None  # [V] the raw logits behind next_logprobs
+    scored: Any = None  # candidates of a score_inline(keep=True) still in the cache (see keep_candidate)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -151,6 +152,7 @@ class Member:
         262k vocabulary, every position's logits would cost 1 MB and a full lm_head product)."""
         if not ids:
             raise ValueError("extend() needs at least one token id")
+        self.drop_candidates(state)
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         keep = {"logits_to_keep": 1} if last_only else {}
         logits = self._forward(input_ids=x, cache=state.cache, use_cache=True, **keep)[0]
@@ -168,6 +170,7 @@ class Member:
     def crop(self, state: KVState, n: int) -> None:
         """Roll the cache back to its first `n` tokens. next_logprobs becomes unknown (None) unless
         nothing was removed; `ensure_next` recomputes it."""
+        self.drop_candidates(state)
         if not 0 <= n <= len(state.ids):
             raise ValueError(f"crop({n}) out of range for a state of {len(state.ids)} tokens")
         k = len(state.ids) - n
@@ -272,13 +275,16 @@ class Member:
         return mask[None, None]
 
     def score_inline(self, state: KVState, candidates: Sequence[Sequence[int]],
-                     raw_logits: bool = False) -> list[torch.Tensor]:
+                     raw_logits: bool = False, keep: bool = False) -> list[torch.Tensor]:
         """Log-prob (or, with `raw_logits`, the raw logit) of every token of each candidate
         continuation of `state`, all candidates in ONE forward: they are concatenated after the
         cached context with a block attention mask (each sees the context and itself) and position
-        ids restarting at the context length. The cache is left as it was."""
+        ids restarting at the context length. The cache is left as it was; with `keep`, the
+        candidates' KV stays until `keep_candidate` (one of them becomes the continuation: its KV
+        is exactly a plain extension's, so no forward is needed) or `drop_candidates`."""
         if not candidates or any(len(c) == 0 for c in candidates):
             raise ValueError("score_inline needs non-empty candidates")
+        self.drop_candidates(state)
         first_lp = self.ensure_next(state)
         p = len(state.ids)
         total = sum(len(c) for c in candidates)
@@ -301,7 +307,10 @@ class Member:
             position_ids=torch.tensor([pos], device=self.device),
             cache=state.cache, use_cache=True,
         )[0]
-        state.cache.crop(-total)
+        if keep:
+            state.scored = (p, starts, [list(c) for c in candidates], logits)
+        else:
+            state.cache.crop(-total)
         if raw_logits:
             logp, first_lp = logits.float(), state.next_logits
         else:
@@ -312,3 +321,23 @@ class Member:
             rows = torch.cat([first_lp[None], logp[s : s + len(c) - 1]], dim=0)
             out.append(rows.gather(1, ids[:, None])[:, 0])
         return out
+
+    def keep_candidate(self, state: KVState, index: int) -> None:
+        """After score_inline(keep=True): the cache becomes context + candidate `index` (its KV
+        slice moved next to the context, the others dropped) and next_logprobs the distribution
+        after it, all from the scoring forward."""
+        p, starts, cands, logits = state.scored
+        s, n = starts[index], len(cands[index])
+        for layer in state.cache.layers:
+            layer.keys = torch.cat([layer.keys[:, :, :p], layer.keys[:, :, p + s : p + s + n]], dim=-2)
+            layer.values = torch.cat([layer.values[:, :, :p], layer.values[:, :, p + s : p + s + n]], dim=-2)
+        state.ids.extend(cands[index])
+        state.next_logits = logits[s + n - 1].float()
+        state.next_logprobs = torch.log_softmax(state.next_logits, dim=-1)
+        state.scored = None
+
+    def drop_candidates(self, state: KVState) -> None:
+        """Remove the KV of candidates kept by score_inline(keep=True) (no-op otherwise)."""
+        if state.scored is not None:
+            state.cache.crop(-sum(len(c) for c in state.scored[2]))
+            state.scored = None

@@ -154,7 +154,9 @@ class SpecFuse(Method):
             return Draft(i, data, False, stopped=True)
         return Draft(i, cut_draft(data, eos) if data or eos else b"", eos)
 
-    def _score(self, view: CanonicalView, drafts: list[Draft]) -> list[float]:
+    def _score(self, view: CanonicalView, drafts: list[Draft]) -> tuple[list[float], list[list[int]]]:
+        """Member `view` scores every draft in one forward; the candidates' KV stays in its cache
+        so the winner's can be kept (see `_advance`). Returns the scores and the token ids."""
         m = view.member
         eos = m.tokenizer.eos_token_id if m.tokenizer.eos_token_id in m.eos_ids else min(m.eos_ids, default=None)
         cands = []
@@ -163,8 +165,22 @@ class SpecFuse(Method):
             if d.eos and eos is not None:
                 ids = ids + [eos]
             cands.append(ids)
-        out = m.score_inline(view.state, cands, raw_logits=self.config.score == "logit")
-        return [float(x.mean()) for x in out]
+        out = m.score_inline(view.state, cands, raw_logits=self.config.score == "logit", keep=True)
+        return [float(x.mean()) for x in out], cands
+
+    @staticmethod
+    def _advance(view: CanonicalView, decoded: str, old: int, ids: list[int], index: int) -> bool:
+        """Extend member `view` by the chosen segment. When the member's canonical tokenization
+        of the whole text is its old tokens + the winner's tokens as it scored them, the KV the
+        scoring forward computed for them is kept (no forward); otherwise the view re-syncs.
+        Returns whether the scored KV was kept."""
+        m, state = view.member, view.state
+        if ids and state.ids[view.prompt_len:] + ids == m.encode(decoded):
+            m.keep_candidate(state, index)
+            return True
+        m.drop_candidates(state)
+        view.sync(decoded, from_byte=old)
+        return False
 
     def run(self, req: Request) -> Iterator[str]:
         cfg, members = self.config, self.members
@@ -175,7 +191,8 @@ class SpecFuse(Method):
         w = w / w.sum()
         active = [True] * k
         st = req.stats
-        st.update(rounds=0, wins={m.name: 0 for m in members}, drafts_saved=0, tokens_out=0, segment_tokens=[])
+        st.update(rounds=0, wins={m.name: 0 for m in members}, drafts_saved=0, tokens_out=0, segment_tokens=[],
+                  kept_scored_kv=0)
         parallel = len({str(m.device) for m in members}) > 1
         # one generator per member when drafting in parallel, so sampling stays reproducible
         gens = [req.generator] * k
@@ -199,7 +216,8 @@ class SpecFuse(Method):
                 if not drafts:  # every member drafted only bytes that cannot stand alone
                     req.finish_reason = "stop"
                     break
-                raw = torch.tensor([self._score(v, drafts) for v in views], dtype=torch.float64)  # [K, C]
+                scored = [self._score(v, drafts) for v in views]
+                raw = torch.tensor([sc for sc, _ in scored], dtype=torch.float64)  # [K, C]
                 s = normalise(raw, cfg.score)
                 owners = [d.member for d in drafts]
                 if cfg.hedge and len(drafts) > 1:
@@ -208,7 +226,8 @@ class SpecFuse(Method):
                     gain[owners] = hedge_rewards(s, owners)
                     w = hedge_update(w, gain, eta)
                 total = (w[:, None] * s).sum(dim=0)  # [C]
-                best = drafts[int(torch.argmax(total))]
+                best_i = int(torch.argmax(total))
+                best = drafts[best_i]
                 st["wins"][members[best.member].name] += 1
                 if cfg.exit_threshold is not None:
                     for i in range(k):
@@ -235,8 +254,12 @@ class SpecFuse(Method):
                     break
                 if seg:
                     decoded = text.decode("utf-8")
+                    for v, (_, cands) in zip(views, scored):
+                        st["kept_scored_kv"] += self._advance(v, decoded, old, cands[best_i] if seg == best.text else [],
+                                                              best_i)
+                else:
                     for v in views:
-                        v.sync(decoded, from_byte=old)
+                        v.member.drop_candidates(v.state)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
