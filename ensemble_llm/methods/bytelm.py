@@ -266,9 +266,14 @@ class ByteLM:
             kept = [h for h in kept if h.logw >= floor]
         if not any(not h.partial for h in kept):
             # keep the best fresh-token hypothesis as well: from a token boundary every byte the
-            # vocabulary can write has probability > 0, so a narrow beam never rules text out
+            # vocabulary can write has probability > 0, so a narrow beam never rules text out.
+            # With a prune threshold it must clear the same floor as every other hypothesis:
+            # inside a word the "token ends here" split weighs far below 1/1000 of the best, and
+            # keeping it anyway cost one forward per byte instead of about one per token (the
+            # bytes only it could write carry less than the threshold; `advance` heals if one
+            # is taken all the same).
             fresh = next((h for h in out if not h.partial), None)
-            if fresh is not None:
+            if fresh is not None and (self.log_prune == NEG_INF or fresh.logw >= out[0].logw + self.log_prune):
                 kept.append(fresh)
         return kept
 
