@@ -339,6 +339,16 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
     if base and results["methods"][base]["time_per_token_s"] > 0:
         for row in results["methods"].values():
             row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
+    # time per token against the method's own main member alone (its tokens count the budget):
+    # "safe at 1.5x its drafter" whichever member drafts the chat prompts
+    names = [m.name for m in first]
+    for label, row in results["methods"].items():
+        main = (row.get("weights_by_kind", {}).get("chat", {}).get("main")
+                or (names[row["config"].get("member", 0)] if row["method"] == "single" else None))
+        alone = results["methods"].get(f"single-{names.index(main)}") if main in names else None
+        if alone and alone["time_per_token_s"] > 0 and row["time_per_token_s"] > 0:
+            row["main_member_speed"] = main
+            row["ratio_to_main_alone"] = row["time_per_token_s"] / alone["time_per_token_s"]
     results["samples"] = {t: q["samples"] for t, q in quality.items()}
     return results
 
@@ -378,7 +388,7 @@ def _own_figures(method: str, stats: list[dict]) -> dict[str, Any]:
 
 def markdown(results: dict) -> str:
     tasks = list(next(iter(results["methods"].values()))["accuracy"]) if results["methods"] else []
-    head = ["method", "members", "s/token", "x single-0", "bytes/s", "TTFC s", "fwd/token", "fwd/byte",
+    head = ["method", "members", "s/token", "x single-0", "x main alone", "bytes/s", "TTFC s", "fwd/token", "fwd/byte",
             "peak MB"] + tasks + (["pooled"] if tasks else []) + ["figures"]
     lines = [f"# ensemble-llm bench: {', '.join(results['models'])} on {', '.join(results['devices'])}", "",
              f"{results['speed_prompts']} speed prompts x {results['max_new_tokens']} new tokens; task examples "
@@ -404,6 +414,7 @@ def markdown(results: dict) -> str:
         bps = r.get("bytes_per_s")
         cells = [label, str(r["members"]), f"{r['time_per_token_s']:.4f}",
                  f"{r['ratio_to_single_0']:.2f}" if "ratio_to_single_0" in r else "",
+                 f"{r['ratio_to_main_alone']:.2f}" if "ratio_to_main_alone" in r else "",
                  "" if bps is None else f"{bps:.1f}", "" if ttfc is None else f"{ttfc:.2f}", fwd, fwd_b,
                  f"{r['peak_memory_mb']:.0f}"]
         cells += [f"{r['accuracy'][t]:.1%}" + (f" ({r['repeating'][t]} rep.)" if t in r.get("repeating", {}) else "")
@@ -411,7 +422,9 @@ def markdown(results: dict) -> str:
         cells += [f"{pooled(r['accuracy'], results['examples_per_task']):.1%}"] if tasks else []
         cells += ["; ".join(figs)]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "fwd/token, fwd/byte: forward passes per output token (first member's tokens) or UTF-8 byte, one "
+    lines += ["", "s/token: per output token of the method's main member (chat prompts: the member with the largest "
+              "chat weight); x main alone: that time over the main member's own `single` in this run. "
+              "fwd/token, fwd/byte: forward passes per output token or UTF-8 byte, one "
               "figure per member (a batched forward counts once). "
               "Peak MB: CUDA allocator peak on GPU; on CPU the process's resident memory, models included."]
     return "\n".join(lines) + "\n"

@@ -11,9 +11,9 @@ import pytest
 
 from ensemble_llm import ConfigError, DEFAULT_MODELS, Ensemble, SafeConfig
 from ensemble_llm.bench import contains_answer, load_task, repeats, resolve_task
-from ensemble_llm.calibrate import Calibrator, as_question, em_weights
+from ensemble_llm.calibrate import as_question, em_weights
 from ensemble_llm.chat import BASE_PREAMBLE, check_preamble, with_preamble
-from ensemble_llm.methods.smc import SmcConfig, beam_search, f_ensemble
+from ensemble_llm.methods.smc import SmcConfig
 from ensemble_llm.methods.unite import UniteConfig
 
 SHOTS = ("Q: The capital of Germany is\nA: Berlin\nQ: The capital of Italy is\nA: Rome\n"
@@ -136,47 +136,6 @@ def test_safe_with_all_weight_on_the_drafter_is_the_drafter_and_lookahead_grows(
 
 
 # ---- smc at temperature 0: beam search for the mode of pi_f -----------------------------------------
-class TableLM:
-    """A byte LM over {a, b} + EOS with random conditionals; EOS is certain at length L."""
-
-    def __init__(self, seed: int, L: int) -> None:
-        self.seed, self.L = seed, L
-
-    def logq(self, x: bytes) -> np.ndarray:
-        import hashlib
-
-        out = np.full(257, -math.inf)
-        if len(x) >= self.L:
-            out[256] = 0.0
-            return out
-        h = hashlib.sha256(bytes([self.seed]) + x).digest()
-        w = np.array([1 + h[0], 1 + h[1], 1 + h[2]], dtype=float) ** 2
-        out[[ord("a"), ord("b"), 256]] = np.log(w / w.sum())
-        return out
-
-    def next_logprobs(self, states):
-        return np.stack([self.logq(s) for s in states])
-
-    def advance(self, state, b):
-        return state + bytes([b])
-
-
-@pytest.mark.parametrize("tau", [0.0, 1.0, -math.inf, 2.0], ids=["product", "mixture", "min", "power2"])
-def test_beam_search_finds_the_exact_mode_of_the_f_ensemble(tau):
-    for seeds in ((1, 2, 3), (4, 5, 6), (7, 8, 9)):
-        lms = [TableLM(s, L=4) for s in seeds]
-        a = np.array([0.2, 0.3, 0.5])
-        strings = [b"".join(t) for n in range(5) for t in itertools.product([b"a", b"b"], repeat=n)]
-        logp = [[sum(lm.logq(x[:i])[x[i]] for i in range(len(x))) + lm.logq(x)[256] for x in strings] for lm in lms]
-        psi = f_ensemble(np.array(logp), tau, a)
-        run = None
-        for run in beam_search(lms, [b""] * 3, tau=tau, weights=a, width=16, finished=lambda p: None):
-            pass
-        best = run.best()
-        assert best.text == strings[int(np.argmax(psi))]
-        assert abs(best.logw - float(psi.max())) < 1e-9
-
-
 def test_smc_temperature_zero_searches_deterministically(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={"n_particles": 3})
     res = eng.generate("Tell me about the sea.", max_new_tokens=6)

@@ -13,7 +13,7 @@ import torch
 
 from ensemble_llm import ConfigError, Ensemble, RequestError, RequestTimeout, SmcConfig
 from ensemble_llm.methods.bytelm import EOS, Beam, ByteLM, Hyp, byte_trie
-from ensemble_llm.methods.smc import f_ensemble, smc_sample
+from ensemble_llm.methods.smc import beam_search, f_ensemble, smc_sample
 
 
 # ---- batched forwards over a context tree ------------------------------------------------------
@@ -201,6 +201,22 @@ def test_smc_converges_to_the_exact_f_ensemble(tau):
     assert tv < 0.05, tv  # 15 strings, 4000 particles: sampling error ~0.02
     assert abs(run.log_z - log_z) < 0.05  # the normalising constant is estimated too
     assert all(p.done == "stop" for p in run.particles)
+
+
+@pytest.mark.parametrize("tau", [0.0, 1.0, -math.inf, 2.0], ids=["product", "mixture", "min", "power2"])
+def test_beam_search_finds_the_exact_mode_of_the_f_ensemble(tau):
+    for seeds in ((1, 2, 3), (4, 5, 6), (7, 8, 9)):
+        lms = [TableLM(s, L=4) for s in seeds]
+        a = np.array([0.2, 0.3, 0.5])
+        strings = [b"".join(t) for n in range(5) for t in itertools.product([b"a", b"b"], repeat=n)]
+        logp = [[sum(lm.logq(x[:i])[x[i]] for i in range(len(x))) + lm.logq(x)[EOS] for x in strings] for lm in lms]
+        psi = f_ensemble(np.array(logp), tau, a)
+        run = None
+        for run in beam_search(lms, [b""] * 3, tau=tau, weights=a, width=16, finished=lambda p: None):
+            pass
+        best = run.best()
+        assert best.text == strings[int(np.argmax(psi))]
+        assert abs(best.logw - float(psi.max())) < 1e-9
 
 
 def _weights_trace(lms, starts, tau, steps=12):
