@@ -339,18 +339,24 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
     if base and results["methods"][base]["time_per_token_s"] > 0:
         for row in results["methods"].values():
             row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
-    # time per token against the method's own main member alone (its tokens count the budget):
-    # "safe at 1.5x its drafter" whichever member drafts the chat prompts
-    names = [m.name for m in first]
-    for label, row in results["methods"].items():
+    add_main_ratios(results, [m.name for m in first])
+    results["samples"] = {t: q["samples"] for t, q in quality.items()}
+    return results
+
+
+def add_main_ratios(results: dict, names: Sequence[str]) -> None:
+    """Time per token against the method's own main member alone (its tokens count the budget),
+    "safe at 1.5x its drafter" whichever member drafts the chat prompts. `names`: member names."""
+    names = list(names)
+    for row in results["methods"].values():
         main = (row.get("weights_by_kind", {}).get("chat", {}).get("main")
                 or (names[row["config"].get("member", 0)] if row["method"] == "single" else None))
+        if isinstance(row["config"].get("drafter"), int):  # an explicit drafter wins
+            main = names[row["config"]["drafter"]]
         alone = results["methods"].get(f"single-{names.index(main)}") if main in names else None
         if alone and alone["time_per_token_s"] > 0 and row["time_per_token_s"] > 0:
             row["main_member_speed"] = main
             row["ratio_to_main_alone"] = row["time_per_token_s"] / alone["time_per_token_s"]
-    results["samples"] = {t: q["samples"] for t, q in quality.items()}
-    return results
 
 
 def pooled(accuracy: dict[str, float], examples: dict[str, int]) -> float:
@@ -389,8 +395,9 @@ def _own_figures(method: str, stats: list[dict]) -> dict[str, Any]:
 def markdown(results: dict) -> str:
     tasks = list(next(iter(results["methods"].values()))["accuracy"]) if results["methods"] else []
     head = ["method", "members", "s/token", "x single-0", "x main alone", "bytes/s", "TTFC s", "fwd/token", "fwd/byte",
-            "peak MB"] + tasks + (["pooled"] if tasks else []) + ["figures"]
+            "peak MB"] + tasks + (["pooled", "s/example"] if tasks else []) + ["figures"]
     lines = [f"# ensemble-llm bench: {', '.join(results['models'])} on {', '.join(results['devices'])}", "",
+             ("" if results.get("preambles", True) else "No member has a preamble (--no-preamble). ") +
              f"{results['speed_prompts']} speed prompts x {results['max_new_tokens']} new tokens; task examples "
              f"(3-shot, exact match): {', '.join(f'{t} {n}' for t, n in results['examples_per_task'].items()) or 'none'}; "
              f"whole run {results['wall_time_s'] / 60:.1f} min.", "",
@@ -412,18 +419,22 @@ def markdown(results: dict) -> str:
         ttfc = r["time_to_first_chunk_s"]
         fwd_b = ", ".join(f"{v:.2f}" for v in r.get("forward_passes_per_byte", {}).values())
         bps = r.get("bytes_per_s")
-        cells = [label, str(r["members"]), f"{r['time_per_token_s']:.4f}",
+        timed = bool(results["speed_prompts"])  # no speed prompts: the speed columns stay empty
+        cells = [label, str(r["members"]), f"{r['time_per_token_s']:.4f}" if timed else "",
                  f"{r['ratio_to_single_0']:.2f}" if "ratio_to_single_0" in r else "",
                  f"{r['ratio_to_main_alone']:.2f}" if "ratio_to_main_alone" in r else "",
                  "" if bps is None else f"{bps:.1f}", "" if ttfc is None else f"{ttfc:.2f}", fwd, fwd_b,
-                 f"{r['peak_memory_mb']:.0f}"]
+                 f"{r['peak_memory_mb']:.0f}" if timed else ""]
         cells += [f"{r['accuracy'][t]:.1%}" + (f" ({r['repeating'][t]} rep.)" if t in r.get("repeating", {}) else "")
                   for t in tasks]
-        cells += [f"{pooled(r['accuracy'], results['examples_per_task']):.1%}"] if tasks else []
+        if tasks:
+            per_ex = ", ".join(f"{r['task_seconds'][t] / max(1, results['examples_per_task'][t]):.2f}" for t in tasks)
+            cells += [f"{pooled(r['accuracy'], results['examples_per_task']):.1%}", per_ex]
         cells += ["; ".join(figs)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "s/token: per output token of the method's main member (chat prompts: the member with the largest "
               "chat weight); x main alone: that time over the main member's own `single` in this run. "
+              "s/example: mean seconds per task example, one figure per task in column order. "
               "fwd/token, fwd/byte: forward passes per output token or UTF-8 byte, one "
               "figure per member (a batched forward counts once). "
               "Peak MB: CUDA allocator peak on GPU; on CPU the process's resident memory, models included."]
