@@ -25,12 +25,14 @@ import hashlib
 import json
 import logging
 import math
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 
 from .members import Member
 from .members.fetch import cache_root
@@ -99,13 +101,21 @@ class Calibrator:
                 self._memo = {}
         return self._memo
 
-    def _save(self) -> None:
+    def _save(self, name: str) -> None:
+        """Merge entry `name` into the cache file under a file lock (other processes may be
+        calibrating other members into the same file)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._memo))
-            tmp.replace(self.path)
-        except OSError as exc:  # a read-only cache only costs a recomputation next time
+            with FileLock(str(self.path) + ".lock", timeout=60):
+                try:
+                    disk = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    disk = {}
+                disk[name] = self._memo[name]
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(disk))
+                tmp.replace(self.path)
+        except (OSError, Timeout) as exc:  # a read-only cache only costs a recomputation next time
             log.warning("could not save calibration cache %s: %s", self.path, exc)
 
     def loglik(self, member: Member, key: str, kind: str, chat_prompt: Callable[[str], str]) -> list[float]:
@@ -123,7 +133,7 @@ class Calibrator:
                     prompt, target = chat_prompt(as_question(ex["input"])), ex["reply"]
                 out.append(target_logprob(member, member.prompt_ids(prompt), target))
             memo[name] = out
-            self._save()
+            self._save(name)
         return memo[name]
 
     def weights(self, members: Sequence[Member], keys: Sequence[str], kind: str,
