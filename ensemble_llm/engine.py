@@ -190,7 +190,8 @@ class Ensemble:
     """Several causal LMs decoded together by one ensembling method.
 
     members: bundled names, local folders, local .gguf files or cached hub ids (default: the
-        bundled SmolLM2-135M-Instruct + Gemma-3-270M pair; the first member drafts).
+        bundled SmolLM2-135M-Instruct + Gemma-3-270M pair), or {"model": ..., "preamble": [...]}
+        dicts; the main member (drafter) is the strongest unless the method config names one.
     method: "single", "unite", "safe", "specfuse", "smc" (default: "safe" for 2+ members, else "single");
         config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
