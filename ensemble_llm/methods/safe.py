@@ -108,8 +108,9 @@ class Safe(Method):
                 drafts.append((tok, row))
                 if tok in drafter.eos_ids:
                     break
-                drafted += didx.key_of(tok)
-                if req.stop_end(drafted, len(drafted) - len(didx.key_of(tok))) is not None:
+                key = didx.key_of(tok)
+                drafted += key
+                if req.stop_end(drafted, len(drafted) - len(key)) is not None:
                     break  # the drafter's cache lacks this token: the request ends with this cycle
                 if st["tokens_out"] + j + 1 < budget:  # the budget's last token needs no forward
                     drafter.extend(dstate, [tok])
