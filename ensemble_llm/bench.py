@@ -2,13 +2,16 @@
 
 Every method gets the same prompts, interleaved (prompt by prompt, every method in turn) so that
 machine noise hits all alike:
-- speed prompts (chat, `max_new_tokens`): time per output token (the first member's tokens) and
-  its ratio to the drafter's `single`, time to the first streamed chunk, forward passes per member
-  per output token, peak memory, and each method's own figures (E/T for safe/unite, Hedge weights
-  for specfuse, ESS and resamplings for smc);
+- speed prompts (chat, `max_new_tokens`): time per output token (the main member's tokens) and
+  its ratios to `single-0` and to the main member's own `single`, time to the first streamed chunk,
+  forward passes per member per output token, peak memory, and each method's own figures (member
+  weights per prompt kind, E/T for safe/unite, Hedge weights for specfuse, ESS for smc);
 - task files in the BIG-bench format (`{"input", "targets"}` per line): the first 3 lines are the
   shots of one "Q:/A:" prompt used by every method, the next `examples` lines are scored by exact
-  match (case-insensitive, whitespace and a trailing period ignored), greedy, first line only.
+  match (case-insensitive, whitespace and a trailing period ignored), greedy, first line only;
+- chat tasks (file name starting with "chat", e.g. the bundled `chat_facts`): each input is one
+  chat message (default settings, 48 new tokens), right when the answer contains an accepted
+  answer; answers that repeat themselves are counted.
 Writes results.json, results.md and PNG plots (quality vs time per token; time per token vs
 number of members) into the output folder. Needs the `bench` extra (matplotlib, tqdm).
 """
