@@ -371,13 +371,6 @@ def pooled(accuracy: dict[str, float], examples: dict[str, int]) -> float:
 def _method_figures(method: str, stats: list[dict]) -> dict[str, Any]:
     if not stats:
         return {}
-    out = {}
-    if "member_weights" in stats[0]:
-        out = {"member_weights": stats[0]["member_weights"], "main_member": stats[0].get("main_member")}
-    return {**out, **_own_figures(method, stats)}
-
-
-def _own_figures(method: str, stats: list[dict]) -> dict[str, Any]:
     if method in ("safe", "unite"):
         out = sum(s.get("tokens_out", 0) for s in stats)
         ens = sum(s.get("tokens_ensembled", 0) for s in stats)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -145,6 +144,3 @@ class Calibrator:
         w = em_weights(ll)
         return [float(x) for x in w]
 
-
-def describe(weights: Sequence[float]) -> str:
-    return "/".join(f"{w:.2f}" for w in weights) if all(math.isfinite(w) for w in weights) else "?"

@@ -145,6 +145,16 @@ class SmcRun:
         return out
 
 
+def _extensions(lms: Sequence[Any], rows: Sequence[Particle], tau: float,
+                w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every row x and slot b (256 bytes + EOS): log P_k(x) [n, K], log P_k(x b) [n, K, 257]
+    and log psi(x b) [n, 257]; one batched next-byte call per member."""
+    logq = np.stack([lm.next_logprobs([p.states[k] for p in rows]) for k, lm in enumerate(lms)], axis=1)
+    lp = np.stack([p.lp for p in rows])
+    joint = lp[:, :, None] + logq
+    return lp, joint, f_ensemble(joint, tau, w, axis=1)
+
+
 def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights: Sequence[float],
                n_particles: int, ess_threshold: float, generator: torch.Generator | None,
                finished: Callable[[Particle], str | None], run: SmcRun | None = None) -> Iterator[SmcRun]:
@@ -168,10 +178,7 @@ def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights
                 uniq[key] = len(rows)
                 rows.append(p)
             row_of.append(uniq[key])
-        logq = np.stack([lm.next_logprobs([p.states[k] for p in rows]) for k, lm in enumerate(lms)], axis=1)
-        lp = np.stack([p.lp for p in rows])  # [n, K]
-        joint = lp[:, :, None] + logq  # [n, K, 257]  log P_k(x b)
-        psi_next = f_ensemble(joint, tau, w, axis=1)  # [n, 257]
+        lp, joint, psi_next = _extensions(lms, rows, tau, w)
         psi = f_ensemble(lp, tau, w, axis=1)  # [n]
         total = np.logaddexp.reduce(psi_next, axis=1)  # [n]
         probs = np.exp(psi_next - np.where(np.isfinite(total), total, 0.0)[:, None])
@@ -234,10 +241,7 @@ def beam_search(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weight
         if best is not None and best.logw >= max(p.logw for p in run.live):
             return
         run.steps += 1
-        logq = np.stack([lm.next_logprobs([p.states[k] for p in run.live]) for k, lm in enumerate(lms)], axis=1)
-        lp = np.stack([p.lp for p in run.live])  # [n, K]
-        joint = lp[:, :, None] + logq  # [n, K, 257]
-        psi_next = f_ensemble(joint, tau, w, axis=1)  # [n, 257]
+        _, joint, psi_next = _extensions(lms, run.live, tau, w)
         cands = []
         for r in range(len(run.live)):
             for b in np.flatnonzero(np.isfinite(psi_next[r])):
