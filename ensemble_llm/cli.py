@@ -20,10 +20,11 @@ def _cmd_generate(args) -> int:
     try:
         t0 = time.perf_counter()
         engine = Ensemble(models, method=args.method, device=args.device)
+        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, raw=args.raw)
+        engine.check_request(args.prompt, **kw)  # a bad request fails here, before seconds of loading
         print(f"[ensemble-llm] {args.method} over {', '.join(engine.model_names)}", file=sys.stderr, flush=True)
         engine.load()
         print(f"[ensemble-llm] models ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, raw=args.raw)
         if args.stream:
             stream = engine.stream(args.prompt, **kw)
             for delta in stream:

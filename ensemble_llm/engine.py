@@ -23,9 +23,10 @@ import torch
 
 from .chat import (BASE_PREAMBLE, ToolCall, ToolTextFilter, call_key, check_preamble, check_tool_choice, check_tools,
                    content_text, guided_call, history_calls, member_messages, with_preamble)
-from .errors import ConfigError, EnsembleError, GenerationError, RequestError, RequestTimeout
+from .errors import ConfigError, EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
 from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolve_dtype, resolve_source
 from .members.loader import local_dir
+from .members.member import forward_guard
 from .methods import Request, get_method
 from .stopping import StopMatcher
 
@@ -72,6 +73,7 @@ class _Params:
     seed: int | None
     stop: list[str]
     timeout: float | None
+    max_retries: int = 0
     submitted: float = field(default_factory=time.perf_counter)  # the timeout counts from here
 
     def check_deadline(self) -> None:
@@ -354,7 +356,10 @@ class Ensemble:
         seed=None, stop=None, raw=False (prompt text used as is, no chat template), tools=None
         (OpenAI-format tool specs), tool_choice=None ("auto", "none", "any"/"required", a tool name).
         With tools, `result.tool_calls` holds the parsed calls and `result.text` the rest.
-        timeout=None: seconds after which the request is stopped with RequestTimeout."""
+        timeout=None: seconds after which the request is stopped with RequestTimeout (time in the
+        queue counts; it is checked before every forward pass). max_retries=0: how many times an
+        internal fault (GenerationError) is retried, under the same deadline, before any text was
+        streamed."""
         stream = self.stream(prompt, **kw)
         for _ in stream:
             pass
@@ -363,7 +368,7 @@ class Ensemble:
 
     def stream(self, prompt, **kw) -> TextStream:
         """Text deltas as they are decided; the stream's `.result` holds usage and stats at the end."""
-        params = self._check(prompt, **kw)
+        params = self.check_request(prompt, **kw)
         items: "queue.Queue" = queue.Queue()
         cancel = threading.Event()
         self._submit(params, lambda kind, payload: items.put((kind, payload)), cancel)
@@ -377,7 +382,7 @@ class Ensemble:
         return stream.result
 
     def astream(self, prompt, **kw) -> AsyncTextStream:
-        params = self._check(prompt, **kw)
+        params = self.check_request(prompt, **kw)
         loop = asyncio.get_running_loop()
         items: "asyncio.Queue" = asyncio.Queue()
         cancel = threading.Event()
@@ -392,11 +397,18 @@ class Ensemble:
         return AsyncTextStream(items, cancel)
 
     # ---- validation ----------------------------------------------------------------------
+    def check_request(self, prompt, **kw) -> _Params:
+        """Validate a request exactly as generate/stream would, without loading or queueing
+        anything: a bad argument raises RequestError naming it and the fix."""
+        params = self._check(prompt, **kw)
+        self.method_class.check_request(self.config, temperature=params.temperature, top_p=params.top_p)
+        return params
+
     @staticmethod
     def _check(prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop: str | Sequence[str] | None = None, raw: bool = False,
                tools: list[dict] | None = None, tool_choice: Any = None,
-               timeout: float | None = None) -> _Params:
+               timeout: float | None = None, max_retries: int = 0) -> _Params:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("the prompt is empty; pass a non-empty string or a list of messages.")
@@ -422,6 +434,8 @@ class Ensemble:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < math.inf):
             raise RequestError(f"timeout must be a positive finite number of seconds or None, got {timeout!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or not 0 <= max_retries <= 100:
+            raise RequestError(f"max_retries must be an integer in [0, 100], got {max_retries!r}")
         tools = check_tools(tools)
         tool_choice = check_tool_choice(tool_choice, tools)
         if tools and tool_choice not in ("auto", "none"):
@@ -439,7 +453,7 @@ class Ensemble:
         for s in stops:
             _check_text(s, f"stop string {s!r}")
         return _Params(prompt, bool(raw), tools, tool_choice, max_new_tokens, float(temperature), float(top_p), seed,
-                       [s for s in stops if s], None if timeout is None else float(timeout))
+                       [s for s in stops if s], None if timeout is None else float(timeout), max_retries)
 
     # ---- the worker ----------------------------------------------------------------------
     def _submit(self, params: _Params, sink: Callable, cancel: threading.Event) -> None:
@@ -455,15 +469,42 @@ class Ensemble:
             if cancel.is_set():
                 continue
             try:
-                params.check_deadline()  # it may have expired while waiting in the queue
-                result = self._execute(params, lambda d: sink("delta", d), cancel)
-                sink("done", result)
+                sink("done", self._attempts(params, sink, cancel))
             except EnsembleError as exc:
                 sink("error", exc)
+
+    def _attempts(self, params: _Params, sink: Callable, cancel: threading.Event) -> GenerationResult:
+        """Run the request; an internal fault (GenerationError) is retried up to
+        `params.max_retries` times under the same deadline, unless text was already streamed."""
+        sent = [False]
+
+        def emit(delta: str) -> None:
+            sent[0] = True
+            sink("delta", delta)
+
+        def guard() -> None:  # before every forward pass of this request
+            if cancel.is_set():
+                raise RequestCancelled("the caller stopped listening; the request was stopped.")
+            params.check_deadline()
+
+        for attempt in range(params.max_retries + 1):
+            try:
+                params.check_deadline()  # it may have expired while waiting in the queue
+                self.load()  # loading and calibration run once, outside the guard, so a short timeout
+                with forward_guard(guard):  # cannot cut them off midway and make every request redo them
+                    result = self._execute(params, emit, cancel)
+                if attempt:
+                    result.stats["retries"] = attempt
+                return result
+            except EnsembleError:
+                raise
             except Exception as exc:  # noqa: BLE001 - surfaced to the caller, the worker lives on
-                err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
+                err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}"
+                                      + (f" (after {attempt} retries)" if attempt else ""))
                 err.__cause__ = exc
-                sink("error", err)
+                if sent[0] or attempt == params.max_retries:
+                    raise err from exc
+        raise AssertionError("unreachable")
 
     def _prompts(self, params: _Params, members: list[Member]) -> tuple[list[str], list[str]]:
         """Each member's prompt text (its own chat template or plain transcript) and the stops."""

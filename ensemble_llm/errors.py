@@ -29,3 +29,7 @@ class GenerationError(EnsembleError, RuntimeError):
 
 class RequestTimeout(EnsembleError, TimeoutError):
     """A request that ran past its `timeout`; the engine stays usable after it."""
+
+
+class RequestCancelled(EnsembleError):
+    """A request whose caller went away (an abandoned stream, a cancelled task) was stopped."""

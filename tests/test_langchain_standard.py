@@ -26,10 +26,10 @@ class TestEnsembleLLMUnit(ChatModelUnitTests):
 
     @property
     def standard_chat_model_params(self):
-        # LangChain's defaults include max_retries and api_key, which a local model has no use
-        # for: EnsembleLLM rejects unknown arguments by name instead of ignoring them.
+        # LangChain's defaults include api_key, which only a client of a served ensemble would
+        # use: EnsembleLLM rejects unknown arguments by name instead of ignoring them.
+        # max_retries is accepted (it retries a GenerationError within the same timeout).
         params = dict(super().standard_chat_model_params)
-        params.pop("max_retries", None)
         params.pop("api_key", None)
         return params
 

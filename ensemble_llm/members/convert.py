@@ -9,8 +9,6 @@ that no quantized module is left, and save normally. Later loads read safetensor
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import pickle
@@ -23,30 +21,48 @@ from ..errors import ModelNotFoundError
 MARKER = "ensemble_llm_source.json"
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def is_converted(out_dir: Path) -> bool:
     return (out_dir / MARKER).is_file() and (out_dir / "config.json").is_file()
 
 
+def _verdict_key(gguf_path: Path) -> str:
+    """What a failed conversion depends on: the file (path, size, mtime) and the transformers version."""
+    import transformers
+
+    st = gguf_path.stat()
+    return f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|transformers={transformers.__version__}"
+
+
+def failed_verdict(gguf_path: Path, out_dir: Path) -> str | None:
+    """The error of an earlier failed conversion of this very file, if any (None: never failed,
+    or the file or transformers changed since)."""
+    path = out_dir.parent / f".{out_dir.name}.failed.json"
+    try:
+        verdict = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict.get("error") if verdict.get("key") == _verdict_key(gguf_path) else None
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> Path:
-    """Dequantize `gguf_path` into `out_dir` (atomic: a half-written folder is never used)."""
+    """Dequantize `gguf_path` into `out_dir` (atomic: a half-written folder is never used).
+
+    A file transformers cannot read fails in seconds to minutes; the verdict is kept next to the
+    output folder, so later loads of the same unchanged file fail at once with the same error."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ModelNotFoundError(f"GGUF file {gguf_path} does not exist; pass the path of an existing .gguf file.")
-    with _file_lock(out_dir.parent / f".{out_dir.name}.lock"):
+    earlier = failed_verdict(gguf_path, out_dir)
+    if earlier is not None:
+        raise ModelNotFoundError(f"{earlier} (remembered from an earlier attempt on this unchanged file; replace "
+                                 "the file to try again)")
+    from filelock import FileLock
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out_dir.parent / f".{out_dir.name}.lock"):
         if is_converted(out_dir):  # another process finished it while we waited
             return out_dir
         t0 = time.perf_counter()
@@ -57,9 +73,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
             model = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
-            raise ModelNotFoundError(
-                f"transformers could not read {gguf_path} ({type(exc).__name__}: {exc}). The file may be "
-                f"truncated or of an architecture transformers cannot load from GGUF; re-download it.") from exc
+            message = (f"transformers could not read {gguf_path} ({type(exc).__name__}: {exc}). The file may be "
+                       f"truncated or of an architecture transformers cannot load from GGUF; re-download it.")
+            verdict = out_dir.parent / f".{out_dir.name}.failed.json"
+            verdict.write_text(json.dumps({"key": _verdict_key(gguf_path), "error": message}))
+            raise ModelNotFoundError(message) from exc
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:
             bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]

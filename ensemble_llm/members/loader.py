@@ -39,16 +39,37 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {path} does not exist; pass the path of an existing .gguf file.")
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+        if magic != b"GGUF":
+            raise ModelNotFoundError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); it may be "
+                                     "truncated or another format: re-download it.")
         return Source("gguf", str(path.resolve()), path.stem)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a folder but holds no config.json; pass a transformers model folder.")
+        check_model_folder(path)
         return Source("dir", str(path.resolve()), path.name)
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
         return Source("hub", text, text.split("/")[1])
     raise ModelNotFoundError(
         f"unknown model {text!r}. Use a bundled name ({', '.join(sorted(BUNDLED))}), a local transformers "
         "folder, a local .gguf file, or a hub id ('org/name') already in the local Hugging Face cache.")
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
+
+
+def check_model_folder(path: Path) -> None:
+    """A transformers folder needs a config, weights and a tokenizer; say which is missing now,
+    rather than at the first request."""
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} is a folder but holds no config.json; pass a transformers model folder.")
+    if not any(any(path.glob(g)) for g in WEIGHT_FILES):
+        raise ModelNotFoundError(f"{path} holds a config.json but no weights (*.safetensors or pytorch_model*.bin); "
+                                 "copy the weight files into it, or pass the folder that has them.")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
+                                 "model's tokenizer into it (tokenizer.save_pretrained(path)).")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

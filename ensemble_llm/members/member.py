@@ -8,6 +8,8 @@ crop (rollback), batched forwards, and in-line scoring of several candidates in 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +26,22 @@ from .vocab import token_bytes
 # members with and without templates then see the same answer text.
 PLAIN_ROLES = {"system": "", "user": "User:\n", "assistant": "Assistant:\n", "tool": "Tool result:\n"}
 PLAIN_STOPS = ("\nUser:", "\nAssistant:")  # a new turn of the transcript ends the reply
+
+
+_GUARD = threading.local()
+
+
+@contextlib.contextmanager
+def forward_guard(check):
+    """Call `check()` before every forward pass run by this thread inside the block. The engine
+    passes its request's deadline and cancellation check: it raises, so a request stops within
+    one forward pass of its timeout or of its caller going away, whatever the method is doing."""
+    previous = getattr(_GUARD, "check", None)
+    _GUARD.check = check
+    try:
+        yield
+    finally:
+        _GUARD.check = previous
 
 
 @dataclass
@@ -132,6 +150,9 @@ class Member:
 
     # ---- forwards ------------------------------------------------------------------------
     def _forward(self, **kw) -> torch.Tensor:
+        check = getattr(_GUARD, "check", None)
+        if check is not None:
+            check()
         t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self.model(**kw).logits

@@ -91,6 +91,11 @@ class Method(abc.ABC):
         """Raise ConfigError when the members do not suit this method. Only their number may be
         used: the engine calls it at construction with the unloaded sources, and again at load."""
 
+    @classmethod
+    def check_request(cls, config: Any, *, temperature: float, top_p: float) -> None:
+        """Raise RequestError for sampling settings this method cannot honour. The engine calls it
+        before queueing a request, so it fails before any work."""
+
     def main_member(self) -> int | None:
         """Index of the member whose tokens count the budget and the usage; None lets the engine
         pick the strongest member for each request (the largest calibrated weight)."""

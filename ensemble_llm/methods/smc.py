@@ -278,11 +278,15 @@ class Smc(Method):
             raise ConfigError(f"SmcConfig.weights has {len(self.config.weights)} entries for "
                               f"{len(self.members)} members; give one weight per member")
 
+    @classmethod
+    def check_request(cls, config: Any, *, temperature: float, top_p: float) -> None:
+        if top_p < 1.0:
+            raise RequestError("method 'smc' samples the f-ensemble of the full distributions; top_p "
+                               f"truncation is not supported (got top_p={top_p}); leave top_p at 1")
+
     def run(self, req: Request) -> Iterator[str]:
         cfg = self.config
-        if req.top_p < 1.0:
-            raise RequestError("method 'smc' samples the f-ensemble of the full distributions; top_p "
-                               f"truncation is not supported (got top_p={req.top_p}); leave top_p at 1")
+        self.check_request(cfg, temperature=req.temperature, top_p=req.top_p)
         # temperature 0 (greedy elsewhere): the mode of the untempered ensemble by beam search, or
         # (greedy="sample") one SMC sample with a fixed seed; temperature > 0 tempers every member.
         temperature = req.temperature if req.temperature > 0 else 1.0

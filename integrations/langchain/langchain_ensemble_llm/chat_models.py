@@ -118,6 +118,9 @@ class EnsembleLLM(BaseChatModel):
     seed: int | None = None
     timeout: float | None = Field(default=None, gt=0)
     """Seconds a call may run before it raises `ensemble_llm.RequestTimeout` (None: no limit)."""
+    max_retries: int = Field(default=0, ge=0, le=100)
+    """Times a call that failed inside generation (`ensemble_llm.GenerationError`) is run again,
+    within the same `timeout`, when no text had been streamed yet."""
     streaming: bool = False
     engine: Ensemble | None = Field(default=None, exclude=True)
     """An existing engine to share; its members and method win over the fields above."""
@@ -195,6 +198,7 @@ class EnsembleLLM(BaseChatModel):
             "seed": kwargs.get("seed", self.seed),
             "stop": stops,
             "timeout": self.timeout,
+            "max_retries": self.max_retries,
             "tools": kwargs.get("tools"),
             "tool_choice": kwargs.get("tool_choice"),
         }

@@ -104,6 +104,9 @@ class EnsembleLLM(FunctionCallingLLM):
     stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
     seed: Optional[int] = Field(default=None)
     timeout: Optional[float] = Field(default=None, gt=0, description="Seconds a call may run.")
+    max_retries: int = Field(default=0, ge=0, le=100, description=(
+        "Times a call that failed inside generation (GenerationError) is run again, within the same "
+        "timeout, when no text had been streamed yet."))
     engine: Optional[Ensemble] = Field(default=None, exclude=True, description="An Ensemble to share.")
     _context_window: Optional[int] = PrivateAttr(default=None)
 
@@ -154,6 +157,7 @@ class EnsembleLLM(FunctionCallingLLM):
             "seed": kwargs.get("seed", self.seed),
             "stop": [*(self.stop or []), *stop],  # duplicates are harmless: StopMatcher drops them
             "timeout": self.timeout,
+            "max_retries": self.max_retries,
             "tools": kwargs.get("tools"),
             "tool_choice": kwargs.get("tool_choice"),
         }
