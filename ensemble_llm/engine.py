@@ -28,7 +28,7 @@ from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolv
 from .members.loader import local_dir
 from .members.member import forward_guard
 from .methods import Request, get_method
-from .stopping import StopMatcher
+from .stopping import StopMatcher, stop_list
 
 ROLES = ("system", "user", "assistant", "tool")
 _SHARED: dict[tuple, "Ensemble"] = {}
@@ -102,9 +102,13 @@ def _check_message(m: Any, i: int) -> None:
     content = m.get("content")
     if isinstance(content, (list, tuple)):
         for j, part in enumerate(content):
-            if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") == "text"
-                                         and isinstance(part.get("text"), str)):
+            if isinstance(part, str):
                 continue
+            if isinstance(part, dict) and part.get("type", "text") == "text":
+                if isinstance(part.get("text"), str):
+                    continue
+                raise RequestError(f"message {i} ({m.get('role')}) content part {j} is a text part with no string "
+                                   f"'text' (got {part.get('text')!r}); give it {{'type': 'text', 'text': '...'}}.")
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise RequestError(f"message {i} ({m['role']}) content part {j} is {kind!r}, which these text-only "
                                "models cannot read; send text parts ({'type': 'text', 'text': ...}) only.")
@@ -409,6 +413,8 @@ class Ensemble:
                seed: int | None = None, stop: str | Sequence[str] | None = None, raw: bool = False,
                tools: list[dict] | None = None, tool_choice: Any = None,
                timeout: float | None = None, max_retries: int = 0) -> _Params:
+        if not isinstance(raw, bool):
+            raise RequestError(f"raw must be True or False, got {raw!r}")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("the prompt is empty; pass a non-empty string or a list of messages.")
@@ -427,7 +433,7 @@ class Ensemble:
             raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
             raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise RequestError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
@@ -445,11 +451,7 @@ class Ensemble:
                 guided_call(tools, name, lambda text, stops, n: "")
         if tools and raw:
             raise RequestError("tools need a chat prompt (a string or messages) with raw=False.")
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
-            raise RequestError(f"stop must be a string or a list of strings, got {stop!r}")
+        stops = stop_list(stop)
         for s in stops:
             _check_text(s, f"stop string {s!r}")
         return _Params(prompt, bool(raw), tools, tool_choice, max_new_tokens, float(temperature), float(top_p), seed,

@@ -6,6 +6,26 @@ released only up to the point where no stop string could still begin.
 
 from __future__ import annotations
 
+from typing import Any
+
+from .errors import RequestError
+
+
+def stop_list(*stops: Any) -> list[str]:
+    """Stop settings (None, one string, or a list of strings each) joined into one list. A string
+    is ONE stop string, never its characters. Anything else is a RequestError naming it."""
+    out: list[str] = []
+    for stop in stops:
+        if stop is None:
+            continue
+        if isinstance(stop, str):
+            out.append(stop)
+        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+            out.extend(stop)
+        else:
+            raise RequestError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+    return out
+
 
 class StopMatcher:
     def __init__(self, stops: list[str] | tuple[str, ...] = ()) -> None:

@@ -351,6 +351,8 @@ class Smc(Method):
             stats = {"smc_steps": run.steps, "resamplings": run.resamplings, "ess": [round(e, 3) for e in run.ess],
                      "log_z": run.log_z, "distinct_texts": len(post), "best_weight": round(post[best.text], 4)}
         tail = decoder.decode(best.text[sent:], final=True)
+        if not best.text.endswith("\ufffd".encode()):  # undecodable last bytes are dropped, never shown as U+FFFD
+            tail = tail.rstrip("\ufffd")
         if tail:
             yield tail
         req.finish_reason = "stop" if best.done == "stop" else "length"

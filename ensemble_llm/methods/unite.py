@@ -70,15 +70,17 @@ class Emitter:
         self.sent = 0
 
     def take(self, data: bytes, final: bool = False) -> str:
-        """New complete text of `data`; at the end (final) invalid bytes become U+FFFD, but a
-        character left incomplete by the budget at the very end is dropped."""
+        """New complete text of `data`. Invalid bytes inside the text become U+FFFD (at the end
+        (final), once later bytes show they never complete a character); bytes that do not decode
+        at the very end (a character cut by the budget, a stray byte token) are dropped, so the
+        reply never ends in U+FFFD."""
         cut = valid_utf8_prefix(data)
         if final and cut < len(data):
-            try:
-                data[cut:].decode("utf-8")
-            except UnicodeDecodeError as exc:
-                if exc.reason != "unexpected end of data":
-                    cut = len(data)
+            cut = len(data)
+            tail = data[self.sent:].decode("utf-8", errors="replace")
+            out = tail.rstrip("\ufffd") if not data.endswith("\ufffd".encode()) else tail
+            self.sent = cut
+            return out
         out = data[self.sent:cut].decode("utf-8", errors="replace")
         self.sent = max(self.sent, cut)
         return out

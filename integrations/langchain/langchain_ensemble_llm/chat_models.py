@@ -31,6 +31,7 @@ from pydantic import ConfigDict, Field, model_validator
 from ensemble_llm import Ensemble
 from ensemble_llm.chat import check_tool_choice, content_text
 from ensemble_llm.engine import GenerationResult
+from ensemble_llm.stopping import stop_list
 
 # per-call keyword arguments that LangChain or its agents may pass and that we understand
 _CALL_KEYS = {"tools", "tool_choice", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "model"}
@@ -60,7 +61,12 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
     out = []
     for m in messages:
         role = _role_of(m)
-        msg: dict[str, Any] = {"role": role, "content": content_text(m.content)}
+        # the content blocks of an input message go as they are, so the engine can name a block
+        # (an image, audio) that these text-only members cannot read instead of dropping it; an
+        # AI message's non-text blocks (tool-call blocks) travel in tool_calls below
+        as_is = isinstance(m.content, list) and role != "assistant" and not all(
+            isinstance(b, str) or (isinstance(b, dict) and b.get("type", "text") == "text") for b in m.content)
+        msg: dict[str, Any] = {"role": role, "content": m.content if as_is else content_text(m.content)}
         if m.name:
             msg["name"] = m.name
         if isinstance(m, AIMessage) and m.tool_calls:
@@ -72,7 +78,7 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         if isinstance(m, ToolMessage):
             msg["tool_call_id"] = m.tool_call_id
             if m.status == "error":
-                msg["content"] = f"Error: {msg['content']}"
+                msg["content"] = f"Error: {content_text(m.content)}"
         out.append(msg)
     return out
 
@@ -188,9 +194,7 @@ class EnsembleLLM(BaseChatModel):
             raise ValueError(f"EnsembleLLM cannot switch to model {model!r} per call; build another "
                              f"EnsembleLLM(members=[...]) (this one is {self.model_name!r}).")
         # a string is ONE stop string (as in LlamaIndex and OpenAI), never its characters
-        call_stops = [stop] if isinstance(stop, str) else list(stop or [])
-        own = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        stops = [*own, *call_stops]  # duplicates are harmless: StopMatcher drops them
+        stops = stop_list(self.stop, stop)  # duplicates are harmless: StopMatcher drops them
         return {
             "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),

@@ -31,6 +31,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from ensemble_llm import Ensemble
 from ensemble_llm.chat import check_tool_choice
 from ensemble_llm.engine import GenerationResult
+from ensemble_llm.stopping import stop_list
 
 _ROLES = {
     MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
@@ -148,14 +149,12 @@ class EnsembleLLM(FunctionCallingLLM):
         if unknown:
             raise TypeError(f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; "
                             f"it takes {sorted(_CALL_KEYS)}.")
-        stop = kwargs.get("stop")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
         return {
             "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),
             "top_p": kwargs.get("top_p", self.top_p),
             "seed": kwargs.get("seed", self.seed),
-            "stop": [*(self.stop or []), *stop],  # duplicates are harmless: StopMatcher drops them
+            "stop": stop_list(self.stop, kwargs.get("stop")),  # duplicates are harmless: StopMatcher drops them
             "timeout": self.timeout,
             "max_retries": self.max_retries,
             "tools": kwargs.get("tools"),
