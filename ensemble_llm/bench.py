@@ -260,7 +260,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             s["peak"] = max(s["peak"], mem.peak)
             for name, f in r.stats["members"].items():
                 s["fwd"][name] = s["fwd"].get(name, 0) + f["forward_passes"]
-            s["extra"].append(r.stats)
+            s["extra"].append(r.run_stats)
             bar.update()
             bar.set_postfix_str(f"speed: {key}")
     quality: dict[str, dict[str, Any]] = {}
@@ -368,24 +368,9 @@ def pooled(accuracy: dict[str, float], examples: dict[str, int]) -> float:
     return sum(accuracy[t] * examples[t] for t in accuracy) / n if n else 0.0
 
 
-def _method_figures(method: str, stats: list[dict]) -> dict[str, Any]:
-    if not stats:
-        return {}
-    if method in ("safe", "unite"):
-        out = sum(s.get("tokens_out", 0) for s in stats)
-        ens = sum(s.get("tokens_ensembled", 0) for s in stats)
-        return {"ensembled_fraction": ens / max(1, out)}
-    if method == "specfuse":
-        names = list(stats[0].get("weights", {}))
-        return {"hedge_weights_mean": {n: statistics.mean(s["weights"][n] for s in stats) for n in names}}
-    if method == "smc":
-        ess = [e for s in stats for e in s.get("ess", [])]
-        steps = sum(s.get("smc_steps", 0) + s.get("beam_steps", 0) for s in stats)
-        return {"ess_mean": statistics.mean(ess) if ess else None,
-                "resamplings_per_step": sum(s.get("resamplings", 0) for s in stats) / max(1, steps),
-                "bytes_out": sum(s.get("bytes_out", 0) for s in stats), "byte_steps": steps,
-                "search": stats[0].get("search")}
-    return {}
+def _method_figures(method: str, stats: list) -> dict[str, Any]:
+    """The method's own figures over the speed runs, as the method summarizes them."""
+    return get_method(method).stats_class.summarize(stats) if stats else {}
 
 
 def markdown(results: dict) -> str:

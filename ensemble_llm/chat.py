@@ -11,9 +11,9 @@ gets the JSON tool protocol below in its system message. Either way the model an
     </tool_call>
 
 (the Hermes/Qwen convention most tool-tuned templates use). When a call is required
-(`tool_choice="required"`/"any" or a tool name, and so `with_structured_output`) the call is
-written for the model field by field (`guided_call`): the JSON syntax comes from the schema and
-only the values are generated, so even a 135M model returns a well-formed call.
+(`tool_choice="required"`/"any" or a tool name) the reply is constrained to that grammar
+(`tool_call_constraint`, llguidance): the JSON syntax is forced and the values are masked to the
+schema, so even a 135M model returns a call that parses and validates.
 """
 
 from __future__ import annotations
@@ -377,160 +377,34 @@ class ToolTextFilter:
         return tail.rstrip(), content.strip(), calls
 
 
-# ---- guided tool calls ---------------------------------------------------------------------
-# A required call is written field by field, the way jsonformer does: the JSON syntax (braces,
-# keys, quotes, commas) is written for the model and only the values are generated, each by a
-# short generation that stops at the value's end. A 135M model cannot keep a JSON object well
-# formed on its own; with only values to choose it fills schemas reliably.
+# ---- forced tool calls -----------------------------------------------------------------------
+def tool_call_constraint(tools: list[dict], tool_choice: str):
+    """The grammar of one call to the allowed tools (all for "required", else the named one):
 
-MAX_DEPTH = 8  # nesting of generated objects/arrays beyond which a schema is refused
+        <tool_call>
+        {"name": "<tool>", "arguments": <JSON valid under the tool's parameters>}
+        </tool_call>
 
+    llguidance writes the fixed parts without sampling and masks every token that would leave
+    the schema, so the call parses and validates whatever the members would have written."""
+    from .constraints import Constraint, styled
 
-def _ref_name(ref: Any) -> str:
-    if not isinstance(ref, str):
-        raise RequestError(f"a tool schema's $ref must be a string like '#/$defs/Name', got {ref!r}")
-    return ref.rsplit("/", 1)[-1]
-
-
-def _resolve(schema: Any, defs: dict, seen: tuple[str, ...] = ()) -> tuple[dict, bool, tuple[str, ...]]:
-    """(the schema with $ref / anyOf / oneOf / single allOf resolved, whether null is allowed,
-    the $ref names followed so far). A $ref chain that comes back to itself without reaching a
-    type raises RequestError instead of looping."""
-    nullable = False
-    hops: set[str] = set()
-    while True:
-        if not isinstance(schema, dict):
-            return {}, nullable, seen
-        if "$ref" in schema:
-            name = _ref_name(schema["$ref"])
-            if name in hops:
-                raise RequestError(f"the tool schema's $ref {schema['$ref']!r} refers to itself without ever "
-                                   "reaching a type; give the definition a 'type' or 'properties'.")
-            if name not in defs:
-                raise RequestError(f"the tool schema's $ref {schema['$ref']!r} names no definition in $defs; "
-                                   f"known: {sorted(defs)}")
-            hops.add(name)
-            seen = seen + (name,)
-            schema = defs[name]
-            continue
-        for key in ("anyOf", "oneOf"):
-            if key in schema:  # Optional[X]: the first non-null branch
-                branches = schema[key] if isinstance(schema[key], list) else []
-                real = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")]
-                nullable |= len(real) < len(branches)
-                if real:
-                    inner, null2, seen = _resolve(real[0], defs, seen)
-                    merged = {k: v for k, v in schema.items() if k != key}
-                    return {**inner, **merged}, nullable or null2, seen
-                return {"type": "null"}, True, seen
-        if "allOf" in schema and isinstance(schema["allOf"], list) and len(schema["allOf"]) == 1:
-            inner, null2, seen = _resolve(schema["allOf"][0], defs, seen)
-            return {**inner, **{k: v for k, v in schema.items() if k != "allOf"}}, nullable or null2, seen
-        kind = schema.get("type")
-        nullable |= kind == "null" or (isinstance(kind, list) and "null" in kind)
-        return schema, nullable, seen
-
-
-def _pick(out: str, options: list[str]) -> str:
-    """The option the model's text names: exact, then the one it begins, then the closest."""
-    import difflib
-
-    word = out.strip().strip('"')
-    for o in options:
-        if word == o.strip('"'):
-            return o
-    begun = [o for o in options if word and o.strip('"').startswith(word)]
-    if begun:
-        return begun[0]
-    close = difflib.get_close_matches(word, [o.strip('"') for o in options], n=1, cutoff=0.0)
-    return next((o for o in options if close and o.strip('"') == close[0]), options[0])
-
-
-def _value(schema: dict, defs: dict, text: str, gen, stack: tuple[str, ...] = ()) -> tuple[str, Any]:
-    """Generate one JSON value after `text`; returns (its JSON text, the value). `stack` holds the
-    $ref definitions being written around this value: a nullable value that would recurse into
-    one of them (a tree's `child: Optional[Node]`) is written as null, so recursion ends."""
-    if len(stack) > MAX_DEPTH:
-        raise RequestError(f"the tool schema nests deeper than {MAX_DEPTH} levels through {'/'.join(stack)}; "
-                           "flatten it or make the recursive field optional (nullable).")
-    resolved, nullable, refs = _resolve(schema, defs)
-    if nullable and any(r in stack for r in refs):
-        return "null", None
-    schema, stack = resolved, stack + tuple(r for r in refs if r not in stack)
-    kind = schema.get("type")
-    if kind == "null":
-        return "null", None
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
-    if schema.get("enum"):
-        options = [json.dumps(v, ensure_ascii=False) for v in schema["enum"]]
-        pick = _pick(gen(text, ["\n", ",", "}"], 16), options)
-        return pick, json.loads(pick)
-    if kind == "object" or "properties" in schema:
-        return _object(schema, defs, text, gen, stack)
-    if kind == "string":
-        out = gen(text + '"', ['"', "\n"], 48)
-        return json.dumps(out, ensure_ascii=False), out
-    if kind in ("integer", "number"):
-        out = gen(text, [",", "}", "\n"], 8)
-        m = re.search(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", out)
-        num: int | float = 0
-        if m:
-            num = float(m.group())
-            if kind == "integer" or (num.is_integer() and not re.search(r"[.eE]", m.group())):
-                num = int(num)
-        return json.dumps(num), num
-    if kind == "boolean":
-        val = not gen(text, [",", "}", "\n"], 4).strip().lower().startswith("f")
-        return json.dumps(val), val
-    # arrays and anything else: the model writes the JSON value; keep it when it parses
-    close, opener = ("]", "[") if kind == "array" else ("}", "")
-    out = gen(text + opener, [close + "\n", close + "}", close + ","], 64)
-    try:
-        val, _ = _DECODER.raw_decode((opener + out + (close if opener else "")).strip())
-    except ValueError:
-        val = [] if kind == "array" else None
-    return json.dumps(val, ensure_ascii=False), val
-
-
-def _object(schema: dict, defs: dict, text: str, gen, stack: tuple[str, ...] = ()) -> tuple[str, dict]:
-    """Required properties (all when the schema lists none as required), in schema order."""
-    props = schema.get("properties") or {}
-    if not isinstance(props, dict):
-        raise RequestError(f"a tool schema's 'properties' must be an object of property schemas, got {props!r}")
-    required = schema.get("required")
-    keys = [k for k in props if required is None or k in required]
-    out_text, val = "{", {}
-    for i, key in enumerate(keys):
-        out_text += ("" if i == 0 else ", ") + json.dumps(key) + ": "
-        piece, v = _value(props[key], defs, text + out_text, gen, stack)
-        out_text += piece
-        val[key] = v
-    return out_text + "}", val
-
-
-def guided_call(tools: list[dict], tool_choice: str, gen) -> str:
-    """The text of one required tool call, `<tool_call>{...}</tool_call>`, written field by field.
-
-    gen(text, stops, max_tokens) continues the reply `text` and returns what the model wrote
-    (the stop string excluded; the caller enforces the request's overall token budget). With
-    several tools and tool_choice "required" the model first writes the tool's name; a name that
-    is not a tool's exactly is matched to the tool whose name it begins, else the closest name.
-    """
-    by_name = {t["function"]["name"]: t["function"] for t in tools}
-    text = TOOL_OPEN + '\n{"name": '
-    if tool_choice == "required" and len(by_name) > 1:
-        name = json.loads(_pick(gen(text + '"', ['"', "\n"], 16), [json.dumps(n) for n in by_name]))
-    else:
-        name = next(iter(by_name)) if tool_choice == "required" else tool_choice
-    text += json.dumps(name) + ', "arguments": '
-    params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
-    if isinstance(params, dict) and "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
-        params = {**params, "type": "object"}  # a tool's arguments are always an object
-    if not isinstance(params, dict):
-        raise RequestError(f"tool {name!r}: 'parameters' must be a JSON Schema object, got {params!r}")
-    defs = params.get("$defs") or params.get("definitions") or {}
-    if not isinstance(defs, dict):
-        raise RequestError(f"tool {name!r}: '$defs' must be an object of named schemas, got {defs!r}")
-    piece, _ = _value(params, defs, text, gen)
-    return text + piece + "}\n" + TOOL_CLOSE
+    allowed = [t["function"] for t in tools if tool_choice == "required" or t["function"]["name"] == tool_choice]
+    rules, names = [], []
+    for i, fn in enumerate(allowed):
+        params = fn.get("parameters")
+        if not params or (isinstance(params, dict) and params.get("type") == "object" and not params.get("properties")
+                          and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf",
+                                                            "additionalProperties", "patternProperties"))):
+            params = {"type": "object", "properties": {}, "additionalProperties": False}  # no arguments: {}
+        elif "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
+            params = {**params, "type": "object"}  # a tool's arguments are always an object
+        try:  # the arguments' schema alone: meta-schema, $ref cycles, what llguidance refuses
+            Constraint.json_schema(params).check()
+        except RequestError as exc:
+            raise RequestError(f"tool {fn['name']!r}: {exc}") from None
+        schema = styled(params)
+        head = TOOL_OPEN + "\n" + json.dumps({"name": fn["name"]})[:-1] + ', "arguments": '
+        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + chr(10) + TOOL_CLOSE)}")
+        names.append(f"call_{i}")
+    return Constraint.lark("start: " + " | ".join(names) + "\n" + "\n".join(rules))

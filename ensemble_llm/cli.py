@@ -1,4 +1,4 @@
-"""`ensemble-llm`: generate | models list | models pull | bench."""
+"""`ensemble-llm`: generate | models list | models pull | bench | bench-constraints."""
 
 from __future__ import annotations
 
@@ -103,6 +103,30 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_bench_constraints(args) -> int:
+    from pathlib import Path
+
+    from . import DEFAULT_MODELS, EnsembleError
+    from .bench import parse_methods
+    from .bench_constraints import run_constraint_bench, write
+
+    models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
+    try:
+        specs = parse_methods(args.methods, len(models))
+        t0 = time.perf_counter()
+        results = run_constraint_bench(models, specs, n_schemas=args.schemas, max_new_tokens=args.max_new_tokens,
+                                       cost_prompts=args.cost_prompts, device=args.device, progress=not args.quiet)
+        results["command"] = "ensemble-llm " + " ".join(shlex.quote(a) for a in args.argv)
+        paths = write(results, Path(args.out))
+    except EnsembleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(Path(args.out, "results.md").read_text())
+    print(f"[ensemble-llm] wrote {', '.join(map(str, paths))} in {(time.perf_counter() - t0) / 60:.1f} min",
+          file=sys.stderr)
+    return 0
+
+
 from .bench import DEFAULT_METHODS, DEFAULT_TASKS  # noqa: E402  (light: no model code runs at import)
 
 
@@ -150,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench-results")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_bench)
+    c = sub.add_parser("bench-constraints", help="grammar-constrained decoding per method: valid calls and cost",
+                       description="Every method writes a forced tool call for each bundled JSON Schema (validated "
+                                   "with jsonschema), and answers prompts freely and with the schema as "
+                                   "response_format (the constraint's cost per token).")
+    c.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    c.add_argument("--methods", nargs="+", default=["single", "unite", "safe", "specfuse", "smc:n_particles=4"])
+    c.add_argument("--schemas", type=int, default=None, help="the first N schemas of the corpus (default: all 32)")
+    c.add_argument("--cost-prompts", type=int, default=8, help="schemas also run free vs response_format")
+    c.add_argument("--max-new-tokens", type=int, default=160)
+    c.add_argument("--device", default="auto")
+    c.add_argument("--out", default="bench-constraints")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=_cmd_bench_constraints)
     return p
 
 

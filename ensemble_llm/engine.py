@@ -9,9 +9,7 @@ and leaves the engine usable.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import math
 import os
 import queue
 import threading
@@ -21,14 +19,18 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 
-from .chat import (BASE_PREAMBLE, ToolCall, ToolTextFilter, call_key, check_preamble, check_tool_choice, check_tools,
-                   content_text, guided_call, history_calls, member_messages, with_preamble)
+from .chat import (BASE_PREAMBLE, ToolCall, ToolTextFilter, call_key, check_preamble, content_text, history_calls,
+                   member_messages, with_preamble)
+from .constraints import Guide
 from .errors import ConfigError, EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
 from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolve_dtype, resolve_source
 from .members.loader import local_dir
 from .members.member import forward_guard
 from .methods import Request, get_method
-from .stopping import StopMatcher, stop_list
+from .methods.base import RunStats
+from .params import FIELDS as PARAM_FIELDS
+from .params import GenerationParams, _check_text
+from .stopping import StopMatcher
 
 ROLES = ("system", "user", "assistant", "tool")
 _SHARED: dict[tuple, "Ensemble"] = {}
@@ -59,38 +61,24 @@ class GenerationResult:
     models: list[str] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     raw_text: str = ""  # everything generated, tool-call markup included
+    run_stats: RunStats | None = None  # the method's own figures, typed (its Method.stats_class)
 
 
 @dataclass
-class _Params:
+class _Job:
+    """One queued request: the prompt, its settings and when it was submitted."""
+
     prompt: str | list[dict]
-    raw: bool
-    tools: list[dict] | None
-    tool_choice: str
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    timeout: float | None
-    max_retries: int = 0
+    params: GenerationParams
     submitted: float = field(default_factory=time.perf_counter)  # the timeout counts from here
 
     def check_deadline(self) -> None:
         """RequestTimeout once `timeout` seconds have passed since the request was submitted
         (time waiting in the queue, loading and any retry all count)."""
-        if self.timeout is not None and time.perf_counter() - self.submitted > self.timeout:
-            raise RequestTimeout(f"the request took longer than timeout={self.timeout:g} s (queue wait included); "
+        timeout = self.params.timeout
+        if timeout is not None and time.perf_counter() - self.submitted > timeout:
+            raise RequestTimeout(f"the request took longer than timeout={timeout:g} s (queue wait included); "
                                  "raise the timeout or lower max_new_tokens.")
-
-
-def _check_text(text: str, what: str) -> None:
-    """Text the tokenizers can take: valid Unicode (no lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RequestError(f"{what} holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not "
-                           "valid Unicode; decode your bytes with errors='replace' or remove it.") from None
 
 
 def _check_message(m: Any, i: int) -> None:
@@ -142,6 +130,75 @@ def _member_spec(spec: Any, i: int) -> tuple[Any, list[dict] | None]:
         raise ConfigError(f"member {i} is a dict, so it needs a 'model' and may have {list(MEMBER_KEYS[1:])}; "
                           f"got keys {sorted(spec)}")
     return spec["model"], check_preamble(spec.get("preamble"), f"member {i} ({spec['model']})")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # a keyword the caller did not give (its value comes from `params` or the default)
+
+
+def _given(scope: dict[str, Any]) -> dict[str, Any]:
+    """The settings among a public method's keywords that the caller gave."""
+    return {k: scope[k] for k in PARAM_FIELDS if k in scope and scope[k] is not UNSET}
+
+
+def _check_prompt(prompt: Any, raw: bool) -> str | list[dict]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise RequestError("the prompt is empty; pass a non-empty string or a list of messages.")
+        _check_text(prompt, "the prompt")
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise RequestError("the message list is empty; pass at least one {'role': 'user', 'content': ...}.")
+        for i, m in enumerate(prompt):
+            _check_message(m, i)
+        if raw:
+            raise RequestError("raw=True takes a prompt string, not messages.")
+        return [dict(m) for m in prompt]
+    raise RequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}")
+
+
+def _jsonable(entry: dict) -> dict:
+    """A trace entry with byte strings as text (EOS as '<eos>'), ready for JSON."""
+    out = {}
+    for k, v in entry.items():
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", errors="replace")
+        elif v is not None and not isinstance(v, (str, int, float, bool, list, dict)):
+            v = "<eos>"
+        out[k] = v
+    return out
+
+
+@dataclass
+class _Output:
+    """What goes to the caller: text deltas, and when the first one left."""
+
+    emit: Callable[[str], None]
+    t0: float
+    first: float | None = None
+
+    def send(self, text: str) -> None:
+        if text:
+            if self.first is None:
+                self.first = time.perf_counter() - self.t0
+            self.emit(text)
+
+
+@dataclass
+class _Run:
+    """One method run of a request: its Request (stats, finish reason) and the reply's parts."""
+
+    req: Request
+    filter: ToolTextFilter
+    tail: str = ""
+    text: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)  # the engine's own figures (tool policy)
 
 
 class TextStream:
@@ -355,38 +412,53 @@ class Ensemble:
         return f"Ensemble(members={self.model_names}, method={self.method_name!r})"
 
     # ---- public API ----------------------------------------------------------------------
-    def generate(self, prompt, **kw) -> GenerationResult:
-        """Run one request to the end. kw: max_new_tokens=128, temperature=0.0, top_p=1.0,
-        seed=None, stop=None, raw=False (prompt text used as is, no chat template), tools=None
-        (OpenAI-format tool specs), tool_choice=None ("auto", "none", "any"/"required", a tool name).
-        With tools, `result.tool_calls` holds the parsed calls and `result.text` the rest.
-        timeout=None: seconds after which the request is stopped with RequestTimeout (time in the
-        queue counts; it is checked before every forward pass). max_retries=0: how many times an
-        internal fault (GenerationError) is retried, under the same deadline, before any text was
-        streamed."""
-        stream = self.stream(prompt, **kw)
+    def generate(self, prompt: str | list[dict], params: GenerationParams | None = None, *,
+                 max_new_tokens: int = UNSET, temperature: float = UNSET, top_p: float = UNSET, seed: int | None = UNSET,
+                 stop: str | Sequence[str] | None = UNSET, raw: bool = UNSET, tools: Sequence[dict] | None = UNSET,
+                 tool_choice: Any = UNSET, response_format: Any = UNSET, timeout: float | None = UNSET,
+                 max_retries: int = UNSET, trace: bool = UNSET) -> GenerationResult:
+        """Run one request to the end. `prompt`: a string (chat: one user turn; raw=True: the
+        text as is) or a list of {'role', 'content'} messages. Settings: `params`
+        (GenerationParams) and/or the same names as keywords (keywords win); see
+        GenerationParams for each. With tools, `result.tool_calls` holds the parsed calls and
+        `result.text` the rest."""
+        stream = self.stream(prompt, params, **_given(locals()))
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def stream(self, prompt, **kw) -> TextStream:
+    def stream(self, prompt: str | list[dict], params: GenerationParams | None = None, *,
+               max_new_tokens: int = UNSET, temperature: float = UNSET, top_p: float = UNSET, seed: int | None = UNSET,
+               stop: str | Sequence[str] | None = UNSET, raw: bool = UNSET, tools: Sequence[dict] | None = UNSET,
+               tool_choice: Any = UNSET, response_format: Any = UNSET, timeout: float | None = UNSET,
+               max_retries: int = UNSET, trace: bool = UNSET) -> TextStream:
         """Text deltas as they are decided; the stream's `.result` holds usage and stats at the end."""
-        params = self.check_request(prompt, **kw)
+        job = self._job(prompt, params, _given(locals()))
         items: "queue.Queue" = queue.Queue()
         cancel = threading.Event()
-        self._submit(params, lambda kind, payload: items.put((kind, payload)), cancel)
+        self._submit(job, lambda kind, payload: items.put((kind, payload)), cancel)
         return TextStream(items, cancel)
 
-    async def agenerate(self, prompt, **kw) -> GenerationResult:
-        stream = self.astream(prompt, **kw)
+    async def agenerate(self, prompt: str | list[dict], params: GenerationParams | None = None, *,
+                        max_new_tokens: int = UNSET, temperature: float = UNSET, top_p: float = UNSET,
+                        seed: int | None = UNSET, stop: str | Sequence[str] | None = UNSET, raw: bool = UNSET,
+                        tools: Sequence[dict] | None = UNSET, tool_choice: Any = UNSET, response_format: Any = UNSET,
+                        timeout: float | None = UNSET, max_retries: int = UNSET, trace: bool = UNSET) -> GenerationResult:
+        """`generate` for asyncio: never blocks the event loop."""
+        stream = self.astream(prompt, params, **_given(locals()))
         async for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def astream(self, prompt, **kw) -> AsyncTextStream:
-        params = self.check_request(prompt, **kw)
+    def astream(self, prompt: str | list[dict], params: GenerationParams | None = None, *,
+                max_new_tokens: int = UNSET, temperature: float = UNSET, top_p: float = UNSET, seed: int | None = UNSET,
+                stop: str | Sequence[str] | None = UNSET, raw: bool = UNSET, tools: Sequence[dict] | None = UNSET,
+                tool_choice: Any = UNSET, response_format: Any = UNSET, timeout: float | None = UNSET,
+                max_retries: int = UNSET, trace: bool = UNSET) -> AsyncTextStream:
+        """`stream` for asyncio: `async for delta in engine.astream(...)`."""
+        job = self._job(prompt, params, _given(locals()))
         loop = asyncio.get_running_loop()
         items: "asyncio.Queue" = asyncio.Queue()
         cancel = threading.Event()
@@ -397,87 +469,53 @@ class Ensemble:
             except RuntimeError:  # the caller's loop is gone: nobody is listening any more
                 cancel.set()
 
-        self._submit(params, sink, cancel)
+        self._submit(job, sink, cancel)
         return AsyncTextStream(items, cancel)
 
     # ---- validation ----------------------------------------------------------------------
-    def check_request(self, prompt, **kw) -> _Params:
+    def check_request(self, prompt: str | list[dict], params: GenerationParams | None = None,
+                      **settings: Any) -> GenerationParams:
         """Validate a request exactly as generate/stream would, without loading or queueing
-        anything: a bad argument raises RequestError naming it and the fix."""
-        params = self._check(prompt, **kw)
-        self.method_class.check_request(self.config, temperature=params.temperature, top_p=params.top_p)
-        return params
+        anything: a bad argument raises RequestError naming it and the fix. Returns the
+        settings as one GenerationParams."""
+        return self._job(prompt, params, settings).params
 
-    @staticmethod
-    def _check(prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, stop: str | Sequence[str] | None = None, raw: bool = False,
-               tools: list[dict] | None = None, tool_choice: Any = None,
-               timeout: float | None = None, max_retries: int = 0) -> _Params:
-        if not isinstance(raw, bool):
-            raise RequestError(f"raw must be True or False, got {raw!r}")
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise RequestError("the prompt is empty; pass a non-empty string or a list of messages.")
-            _check_text(prompt, "the prompt")
-        elif isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise RequestError("the message list is empty; pass at least one {'role': 'user', 'content': ...}.")
-            for i, m in enumerate(prompt):
-                _check_message(m, i)
-            if raw:
-                raise RequestError("raw=True takes a prompt string, not messages.")
-            prompt = [dict(m) for m in prompt]
-        else:
-            raise RequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
-            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            raise RequestError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < math.inf):
-            raise RequestError(f"timeout must be a positive finite number of seconds or None, got {timeout!r}")
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or not 0 <= max_retries <= 100:
-            raise RequestError(f"max_retries must be an integer in [0, 100], got {max_retries!r}")
-        tools = check_tools(tools)
-        tool_choice = check_tool_choice(tool_choice, tools)
-        if tools and tool_choice not in ("auto", "none"):
-            # walk every schema a forced call may write, with no model: a schema the guided writer
-            # cannot write (a $ref cycle, too deep, malformed) fails here, before queueing
-            for name in ([t["function"]["name"] for t in tools] if tool_choice == "required" else [tool_choice]):
-                guided_call(tools, name, lambda text, stops, n: "")
-        if tools and raw:
-            raise RequestError("tools need a chat prompt (a string or messages) with raw=False.")
-        stops = stop_list(stop)
-        for s in stops:
-            _check_text(s, f"stop string {s!r}")
-        return _Params(prompt, bool(raw), tools, tool_choice, max_new_tokens, float(temperature), float(top_p), seed,
-                       [s for s in stops if s], None if timeout is None else float(timeout), max_retries)
+    def _job(self, prompt: Any, params: GenerationParams | None, settings: dict[str, Any]) -> _Job:
+        unknown = sorted(set(settings) - set(PARAM_FIELDS))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; the settings are {list(PARAM_FIELDS)}")
+        if params is not None and not isinstance(params, GenerationParams):
+            raise RequestError(f"params must be a GenerationParams, got {type(params).__name__}")
+        if isinstance(settings.get("stop"), str):
+            settings["stop"] = (settings["stop"],)
+        if isinstance(settings.get("tools"), list):
+            settings["tools"] = tuple(settings["tools"])
+        params = (params or GenerationParams()).replace(**settings) if settings else (params or GenerationParams())
+        prompt = _check_prompt(prompt, params.raw)
+        self.method_class.check_request(self.config, temperature=params.temperature, top_p=params.top_p)
+        return _Job(prompt, params)
 
     # ---- the worker ----------------------------------------------------------------------
-    def _submit(self, params: _Params, sink: Callable, cancel: threading.Event) -> None:
+    def _submit(self, job: _Job, sink: Callable, cancel: threading.Event) -> None:
         with self._worker_lock:
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="ensemble-llm-worker", daemon=True)
                 self._worker.start()
-        self._jobs.put((params, sink, cancel))
+        self._jobs.put((job, sink, cancel))
 
     def _work(self) -> None:
         while True:
-            params, sink, cancel = self._jobs.get()
+            job, sink, cancel = self._jobs.get()
             if cancel.is_set():
                 continue
             try:
-                sink("done", self._attempts(params, sink, cancel))
+                sink("done", self._attempts(job, sink, cancel))
             except EnsembleError as exc:
                 sink("error", exc)
 
-    def _attempts(self, params: _Params, sink: Callable, cancel: threading.Event) -> GenerationResult:
+    def _attempts(self, job: _Job, sink: Callable, cancel: threading.Event) -> GenerationResult:
         """Run the request; an internal fault (GenerationError) is retried up to
-        `params.max_retries` times under the same deadline, unless text was already streamed."""
+        `max_retries` times under the same deadline, unless text was already streamed."""
         sent = [False]
 
         def emit(delta: str) -> None:
@@ -487,14 +525,15 @@ class Ensemble:
         def guard() -> None:  # before every forward pass of this request
             if cancel.is_set():
                 raise RequestCancelled("the caller stopped listening; the request was stopped.")
-            params.check_deadline()
+            job.check_deadline()
 
-        for attempt in range(params.max_retries + 1):
+        retries = job.params.max_retries
+        for attempt in range(retries + 1):
             try:
-                params.check_deadline()  # it may have expired while waiting in the queue
+                job.check_deadline()  # it may have expired while waiting in the queue
                 self.load()  # loading and calibration run once, outside the guard, so a short timeout
                 with forward_guard(guard):  # cannot cut them off midway and make every request redo them
-                    result = self._execute(params, emit, cancel)
+                    result = self._execute(job, emit, cancel)
                 if attempt:
                     result.stats["retries"] = attempt
                 return result
@@ -504,125 +543,119 @@ class Ensemble:
                 err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}"
                                       + (f" (after {attempt} retries)" if attempt else ""))
                 err.__cause__ = exc
-                if sent[0] or attempt == params.max_retries:
+                if sent[0] or attempt == retries:
                     raise err from exc
         raise AssertionError("unreachable")
 
-    def _prompts(self, params: _Params, members: list[Member]) -> tuple[list[str], list[str]]:
+    # ---- one request: a pipeline of named steps --------------------------------------------------
+    def _execute(self, job: _Job, emit: Callable[[str], None], cancel: threading.Event) -> GenerationResult:
+        t0 = time.perf_counter()
+        before = [(m.n_forward, m.forward_time, m.n_prefill) for m in self.members]
+        out, choice, retried = _Output(emit, t0), job.params.tool_choice, None
+        while True:
+            texts, stops = self._prompts(job, choice)
+            weights, main = self.member_weights("raw" if job.params.raw else "chat")
+            job.check_deadline()  # calibrating may have used it up
+            run = self._run(job, texts, stops, weights, main, out, cancel)
+            calls, again = self._tool_policy(job, run, choice)
+            if not again:
+                break
+            choice, retried = "none", run  # only a repeated call was written: answer again without tools
+        result = self._result(job, run, calls, texts[main], weights, main, before, out)
+        if retried is not None:
+            result.stats["answered_without_tools_after_repeated_call"] = True
+            result.stats["repeated_tool_calls_dropped"] = retried.notes["repeated_tool_calls_dropped"]
+        return result
+
+    def _prompts(self, job: _Job, tool_choice: str) -> tuple[list[str], list[str]]:
         """Each member's prompt text (its own chat template or plain transcript) and the stops."""
-        texts, stops = [], list(params.stop)
-        for i, m in enumerate(members):
-            if params.raw:
-                texts.append(params.prompt)
+        texts, stops = [], list(job.params.stop)
+        tools = list(job.params.tools) if job.params.tools else None
+        for i, m in enumerate(self.members):
+            if job.params.raw:
+                texts.append(job.prompt)
                 continue
-            msgs = [{"role": "user", "content": params.prompt}] if isinstance(params.prompt, str) else params.prompt
+            msgs = [{"role": "user", "content": job.prompt}] if isinstance(job.prompt, str) else job.prompt
             msgs = with_preamble(self.member_preamble(i), msgs)
-            msgs, tools = member_messages(m, msgs, params.tools, params.tool_choice)
-            texts.append(m.render_chat(msgs, tools=tools))
+            msgs, member_tools = member_messages(m, msgs, tools, tool_choice)
+            texts.append(m.render_chat(msgs, tools=member_tools))
             stops += [s for s in m.chat_stop_strings if s not in stops]
         return texts, stops
 
-    def _execute(self, params: _Params, emit: Callable[[str], None], cancel: threading.Event) -> GenerationResult:
-        t0 = time.perf_counter()
-        members, method = self.members, self._method
-        texts, stops = self._prompts(params, members)
-        weights, main = self.member_weights("raw" if params.raw else "chat")
-        params.check_deadline()  # loading or calibrating may have used it up
+    def _run(self, job: _Job, texts: list[str], stops: list[str], weights: list[float], main: int, out: "_Output",
+             cancel: threading.Event) -> "_Run":
+        """The method's run on every member's prompt, under the request's deadline, its text
+        passed through the stop matcher and the tool-markup filter to the caller."""
+        p, members = job.params, self.members
+        prompt_ids = [m.prompt_ids(t) for m, t in zip(members, texts)]
+        room = []
+        for m, ids in zip(members, prompt_ids):
+            if len(ids) >= m.context_window:
+                raise RequestError(f"the prompt is {len(ids)} tokens for {m.name}, whose context window is "
+                                   f"{m.context_window}; shorten the prompt or drop that member.")
+            room.append(m.context_window - len(ids))
         generator = torch.Generator()
-        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        before = [(m.n_forward, m.forward_time) for m in members]
-        first_chunk = None
-
-        def send(out: str) -> None:
-            nonlocal first_chunk
-            if out:
-                if first_chunk is None:
-                    first_chunk = time.perf_counter() - t0
-                emit(out)
-
-        def run(reply: str, stops: list[str], max_new: int, on_text: Callable[[str], str]) -> Request:
-            """One method run continuing `reply` after each member's prompt; text goes to on_text
-            through the stop matcher."""
-            prompt_ids = [m.prompt_ids(t + reply) for m, t in zip(members, texts)]
-            room = []
-            for m, ids in zip(members, prompt_ids):
-                if len(ids) >= m.context_window:
-                    raise RequestError(
-                        f"the prompt is {len(ids)} tokens for {m.name}, whose context window is {m.context_window}; "
-                        "shorten the prompt or drop that member.")
-                room.append(m.context_window - len(ids))
-            req = Request(prompt_ids, min(max_new, *room), params.temperature, params.top_p, generator, stop=list(stops),
-                          weights=weights, main=main)
-            matcher = StopMatcher(stops)
-            gen = method.run(req)
-            try:
-                for piece in gen:
-                    params.check_deadline()
-                    on_text(matcher.feed(piece))
-                    if matcher.stopped or cancel.is_set():
-                        req.finish_reason = "stop"
-                        break
-            finally:
-                gen.close()
-            on_text(matcher.flush())
-            return req
-
-        tools = params.tools
+        generator.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        req = Request(prompt_ids, min(p.max_new_tokens, *room), p.temperature, p.top_p, generator, stop=list(stops),
+                      weights=weights, main=main, guide=Guide(p.constraint, members) if p.constraint else None,
+                      trace=[] if p.trace else None)
         # holds back tool-call markup and passes content through; with tool_choice "none" a call
         # the model writes anyway (imitating its history) is cut from the content, not returned
-        calls_out = ToolTextFilter(tools)
-        stats: dict[str, Any] = {}
-        if tools and params.tool_choice not in ("auto", "none"):  # a call is required: write it field by field
-            left = [params.max_new_tokens]
-            runs = []
+        run = _Run(req, ToolTextFilter(list(p.tools) if p.tools else None))
+        matcher = StopMatcher(stops)
+        gen = self._method.run(req)
+        try:
+            for piece in gen:
+                job.check_deadline()
+                out.send(run.filter.feed(matcher.feed(piece)))
+                if matcher.stopped or cancel.is_set():
+                    req.finish_reason = "stop"
+                    break
+        finally:
+            gen.close()
+        out.send(run.filter.feed(matcher.flush()))
+        run.tail, run.text, run.calls = run.filter.finish()
+        out.send(run.tail)
+        return run
 
-            def fill(reply: str, value_stops: list[str], max_new: int) -> str:
-                params.check_deadline()
-                if left[0] <= 0 or cancel.is_set():
-                    return ""
-                got: list[str] = []
-                req = run(reply, value_stops + stops, min(max_new, left[0]), lambda t: got.append(t) or t)
-                left[0] -= req.stats.get("tokens_out", 0)
-                runs.append(req)
-                return "".join(got)
-
-            send(calls_out.feed(guided_call(tools, params.tool_choice, fill)))
-            finish = "length" if left[0] <= 0 else "stop"
-            stats = {"guided_runs": len(runs), "tokens_out": sum(r.stats.get("tokens_out", 0) for r in runs)}
-            for key in ("tokens_ensembled", "skipped_oov", "skipped_consensus", "replacements", "cycles"):
-                if any(key in r.stats for r in runs):
-                    stats[key] = sum(r.stats.get(key, 0) for r in runs)
-        else:
-            req = run("", stops, params.max_new_tokens, lambda t: send(calls_out.feed(t)) or t)
-            finish, stats = req.finish_reason, dict(req.stats)
-        tail, text, calls = calls_out.finish()
-        send(tail)
-        if calls and params.tool_choice == "none":
+    @staticmethod
+    def _tool_policy(job: _Job, run: "_Run", tool_choice: str) -> tuple[list[ToolCall], bool]:
+        """The calls to return, and whether to answer again without tools. With tool_choice
+        "none" a call is dropped. With "auto", a call identical to one the conversation already
+        made is dropped: small models imitate their history, and an agent would loop on it; when
+        nothing else is left, the request is answered again without tools (same deadline)."""
+        calls, stats = run.calls, run.notes
+        if calls and tool_choice == "none":
             stats["ignored_tool_calls"], calls = len(calls), []
-        if calls and params.tool_choice == "auto":
-            # Small models imitate their history: after a tool has answered they tend to write
-            # the same call again, and an agent would loop on it. A call identical to one the
-            # conversation already made is dropped (counted in stats); the reply's text stays.
-            seen = history_calls(params.prompt)
+        if calls and tool_choice == "auto":
+            seen = history_calls(job.prompt)
             fresh = [c for c in calls if call_key(c.name, c.arguments) not in seen]
             if len(fresh) < len(calls):
                 stats["repeated_tool_calls_dropped"], calls = len(calls) - len(fresh), fresh
-                if not calls and not text.strip():  # nothing left to say: answer again without tools
-                    retry = self._execute(dataclasses.replace(params, tool_choice="none"), emit, cancel)
-                    retry.stats["answered_without_tools_after_repeated_call"] = True
-                    return retry
-        if calls:
-            finish = "tool_calls"
-        raw_text = calls_out.text
-        usage = Usage(len(members[main].prompt_ids(texts[main])),
-                      len(members[main].encode(raw_text)) if raw_text else 0)
+                if not calls and not run.text.strip():
+                    return [], True
+        return calls, False
+
+    def _result(self, job: _Job, run: "_Run", calls: list[ToolCall], main_prompt: str, weights: list[float],
+                main: int, before: list[tuple[int, float, int]], out: "_Output") -> GenerationResult:
+        members, req = self.members, run.req
+        stats = {**req.stats.to_dict(), **run.notes}
+        raw_text = run.filter.text
+        usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(raw_text)) if raw_text else 0)
         stats["members"] = {
-            m.name: {"forward_passes": m.n_forward - n0, "forward_time_s": round(m.forward_time - t0_, 4)}
-            for m, (n0, t0_) in zip(members, before)
+            m.name: {"forward_passes": m.n_forward - n0, "forward_time_s": round(m.forward_time - t0, 4),
+                     "prefills": m.n_prefill - p0}
+            for m, (n0, t0, p0) in zip(members, before)
         }
-        if len(members) > 1 and method.name != "single":
+        if len(members) > 1 and self._method.name != "single":
             stats["member_weights"] = {m.name: round(w, 4) for m, w in zip(members, weights)}
             stats["main_member"] = members[main].name
-        stats["time_s"] = round(time.perf_counter() - t0, 4)
-        stats["time_to_first_chunk_s"] = None if first_chunk is None else round(first_chunk, 4)
-        return GenerationResult(text, finish, usage, stats, self.method_name, self.model_names, calls, raw_text)
+        if req.guide is not None:
+            stats.update(req.guide.stats())
+        if req.trace is not None:
+            stats["trace"] = [_jsonable(e) for e in req.trace]
+        stats["time_s"] = round(time.perf_counter() - out.t0, 4)
+        stats["time_to_first_chunk_s"] = None if out.first is None else round(out.first, 4)
+        finish = "tool_calls" if calls else req.finish_reason
+        return GenerationResult(run.text, finish, usage, stats, self.method_name, self.model_names, calls, raw_text,
+                                req.stats)

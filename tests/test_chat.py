@@ -1,9 +1,10 @@
-"""Messages/tools -> prompts, tool-call parsing, streaming filter and guided calls (ensemble_llm.chat)."""
+"""Messages/tools -> prompts, tool-call parsing, streaming filter and forced calls (ensemble_llm.chat)."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from ensemble_llm import Ensemble, RequestError
@@ -14,7 +15,6 @@ from ensemble_llm.chat import (
     check_tool_choice,
     check_tools,
     content_text,
-    guided_call,
     member_messages,
     parse_tool_calls,
 )
@@ -122,68 +122,19 @@ def test_member_messages_protocol_and_history(tiny_members):
     assert msgs[0]["content"].startswith("Be brief.") and "get_weather" in msgs[0]["content"]
 
 
-# ---- guided calls -----------------------------------------------------------------------------
-class Scripted:
-    """A stand-in generator: returns scripted continuations and records each request."""
-
-    def __init__(self, outputs):
-        self.outputs = list(outputs)
-        self.calls = []
-
-    def __call__(self, text, stops, max_tokens):
-        self.calls.append((text, list(stops), max_tokens))
-        out = self.outputs.pop(0)
-        cut = min((out.find(s) for s in stops if s in out), default=-1)
-        return out if cut < 0 else out[:cut]
-
-
-def test_guided_call_writes_only_values():
-    gen = Scripted(['Paris" and more', " 3, junk"])
-    text = guided_call([WEATHER], "required", gen)
-    assert text == f'{TOOL_OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris", "days": 3}}}}\n{TOOL_CLOSE}'
-    content, calls = parse_tool_calls(text, [WEATHER])
-    assert calls[0].arguments == {"city": "Paris", "days": 3}
-    assert gen.calls[0][0].endswith('"arguments": {"city": "')  # the key and the quote are written for it
-    assert gen.calls[1][0].endswith('"city": "Paris", "days": ')
-
-
-def test_guided_call_picks_tool_types_enums_nested_and_optional():
-    schema = tool("book", {
-        "when": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-        "size": {"enum": ["small", "large"]},
-        "ok": {"type": "boolean"},
-        "price": {"type": "number"},
-        "tags": {"type": "array", "items": {"type": "string"}},
-        "who": {"$ref": "#/$defs/Person"},
-        "note": {"type": "string"},
-    }, ["when", "size", "ok", "price", "tags", "who"])
-    schema["function"]["parameters"]["$defs"] = {
-        "Person": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}
-    gen = Scripted(["boo", "today", '"lar', " false", " 2.50", '"a", "b"]\n', 'Ann"'])
-    text = guided_call([ADD, schema], "required", gen)
-    _, calls = parse_tool_calls(text, [ADD, schema])
-    assert calls[0].name == "book"  # "boo" begins "book"
-    assert calls[0].arguments == {"when": "today", "size": "large", "ok": False, "price": 2.5,
-                                  "tags": ["a", "b"], "who": {"name": "Ann"}}  # optional "note" left out
-
-
-def test_guided_call_named_tool_and_garbage_values():
-    gen = Scripted(["x", "not a number"])
-    _, calls = parse_tool_calls(guided_call([WEATHER, ADD], "add", gen), [WEATHER, ADD])
-    assert calls[0].name == "add" and calls[0].arguments == {"a": 0, "b": 0}  # no digits: 0, still valid JSON
-
-
 # ---- through the engine (tiny random-weight models: values are noise, the call is well formed) --
 def test_engine_forced_call_is_well_formed(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe")
-    res = eng.generate("Weather in Oslo for 2 days?", tools=[WEATHER], tool_choice="required", max_new_tokens=30)
-    assert res.finish_reason in ("tool_calls", "length")
-    if res.finish_reason == "tool_calls":
-        (call,) = res.tool_calls
-        assert call.name == "get_weather" and set(call.arguments) == {"city", "days"}
-        assert isinstance(call.arguments["city"], str) and isinstance(call.arguments["days"], int)
-        assert res.text == "" and TOOL_OPEN in res.raw_text
-    assert res.stats["guided_runs"] >= 2 and res.stats["tokens_out"] <= 30
+    weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        **WEATHER["function"]["parameters"], "properties": {"city": {"type": "string", "maxLength": 8},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
+    res = eng.generate("Weather in Oslo for 2 days?", tools=[weather], tool_choice="required", max_new_tokens=40)
+    assert res.finish_reason == "tool_calls"  # random weights: the values are noise, the call is valid
+    (call,) = res.tool_calls
+    assert call.name == "get_weather" and set(call.arguments) <= {"city", "days"} and "city" in call.arguments
+    assert isinstance(call.arguments["city"], str) and len(call.arguments["city"]) <= 8
+    assert res.text == "" and TOOL_OPEN in res.raw_text
+    assert res.stats["constraint"] == "lark" and res.stats["tokens_out"] <= 40
     assert res.usage.completion_tokens > 0
 
 
@@ -224,7 +175,7 @@ def test_tool_choice_none_cuts_calls_from_content(tiny_dirs, monkeypatch):
     script = f'Sure. {TOOL_OPEN}{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}{TOOL_CLOSE} Done.'
 
     def scripted_run(self, req):  # a stand-in method run: the text a model imitating its history writes
-        req.stats["tokens_out"] = 5
+        req.stats.tokens_out = 5
         yield from (script[i:i + 7] for i in range(0, len(script), 7))
 
     monkeypatch.setattr(Single, "run", scripted_run)
@@ -244,7 +195,7 @@ def test_repeated_call_from_history_is_dropped(tiny_dirs, monkeypatch):
     script = f'The sum is 3. {TOOL_OPEN}{{"name": "add", "arguments": {{"b": 2, "a": 1}}}}{TOOL_CLOSE}'
 
     def scripted_run(self, req):
-        req.stats["tokens_out"] = 5
+        req.stats.tokens_out = 5
         yield script
 
     monkeypatch.setattr(Single, "run", scripted_run)
@@ -268,7 +219,7 @@ def test_self_referencing_schema_fails_fast_and_engine_survives(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"]])
     loop = {"type": "function", "function": {"name": "f", "parameters": {
         "$defs": {"A": {"$ref": "#/$defs/A"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}
-    with pytest.raises(RequestError, match="refers to itself"):
+    with pytest.raises(RequestError, match="refers back to itself|allows no output"):
         eng.generate("hi", tools=[loop], tool_choice="f", timeout=5)
     bad = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": "x"}}}
     with pytest.raises(RequestError, match="properties"):
@@ -276,16 +227,19 @@ def test_self_referencing_schema_fails_fast_and_engine_survives(tiny_dirs):
     assert eng.generate("hi", max_new_tokens=2).usage.completion_tokens <= 2  # still usable
 
 
-def test_recursive_optional_model_ends_in_null():
-    """A tree (`child: Optional[Node]`, pydantic's schema) is written one level deep, the
-    recursive optional field as null, instead of recursing without end."""
+def test_recursive_optional_model_is_a_valid_forced_call(tiny_dirs):
+    """A tree (`child: Optional[Node]`, pydantic's schema) through a forced call: the grammar
+    allows any depth, the call parses and validates (or the budget ends it)."""
     node = {"$defs": {"Node": {"type": "object", "properties": {
-        "value": {"type": "string"}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}}},
-        "$ref": "#/$defs/Node"}
+        "value": {"type": "string", "maxLength": 4}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
+        "required": ["value", "child"]}}, "$ref": "#/$defs/Node"}
     tool = {"type": "function", "function": {"name": "Node", "parameters": node}}
-    text = guided_call([tool], "Node", lambda t, stops, n: "leaf")
-    call = json.loads(text[len(TOOL_OPEN):-len(TOOL_CLOSE)])
-    assert call["arguments"] == {"value": "leaf", "child": None}
+    eng = Ensemble([tiny_dirs["smol"]])
+    res = eng.generate("A tree please.", tools=[tool], tool_choice="Node", max_new_tokens=80)
+    if res.finish_reason == "tool_calls":
+        jsonschema.validate(res.tool_calls[0].arguments, node)
+    else:
+        assert res.finish_reason == "length" and not res.tool_calls
 
 
 @pytest.mark.parametrize("params", [{"type": "object", "properties": {}}, {}, None])

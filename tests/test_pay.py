@@ -103,14 +103,14 @@ def test_preamble_rules():
 def test_member_dict_gives_that_member_its_preamble(tiny_dirs):
     own = [{"role": "user", "content": "Ping?"}, {"role": "assistant", "content": "Pong."}]
     eng = Ensemble([{"model": tiny_dirs["smol"], "preamble": own}, tiny_dirs["gemma"]], method="unite")
-    texts, _ = eng._prompts(eng._check("What is 2+2?"), eng.members)
+    texts, _ = eng._prompts(eng._job("What is 2+2?", None, {}), "auto")
     assert "Ping?" in texts[0] and "Pong." in texts[0] and "Ping?" not in texts[1]
     assert BASE_PREAMBLE[2]["content"] in texts[1]  # Gemma's tokenizer has no template: the built-in one
     assert texts[1].rstrip().endswith("What is 2+2?\nAssistant:")
     off = Ensemble([tiny_dirs["smol"], {"model": tiny_dirs["gemma"], "preamble": []}], method="unite")
-    texts, _ = off._prompts(off._check("What is 2+2?"), off.members)
+    texts, _ = off._prompts(off._job("What is 2+2?", None, {}), "auto")
     assert BASE_PREAMBLE[2]["content"] not in texts[1]
-    raw, _ = eng._prompts(eng._check("Q: x\nA:", raw=True), eng.members)
+    raw, _ = eng._prompts(eng._job("Q: x\nA:", None, {"raw": True}), "auto")
     assert raw == ["Q: x\nA:", "Q: x\nA:"]  # raw prompts are used as they are
     with pytest.raises(ConfigError, match="needs a 'model'"):
         Ensemble([{"preamble": own}])

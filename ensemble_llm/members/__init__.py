@@ -2,7 +2,8 @@
 
 from .loader import Source, clear_cache, load_member, resolve_device, resolve_dtype, resolve_source
 from .member import KVState, Member
+from .protocol import TokenLM
 from .registry import BUNDLED, DEFAULT_MODELS
 
-__all__ = ["BUNDLED", "DEFAULT_MODELS", "KVState", "Member", "Source", "clear_cache", "load_member",
+__all__ = ["BUNDLED", "DEFAULT_MODELS", "KVState", "Member", "Source", "TokenLM", "clear_cache", "load_member",
            "resolve_device", "resolve_dtype", "resolve_source"]

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ..chat import content_text
-from .vocab import token_bytes
+from .vocab import Vocab, token_bytes
 
 # Plain transcript for models without a chat template. Each turn's text starts on its own line,
 # so an answer begins without a leading space, as it does after a ChatML "assistant\n" header:
@@ -82,7 +82,9 @@ class Member:
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_forward = 0
+        self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
         self.forward_time = 0.0
+        self.vocab = Vocab(self)  # token index, byte trie, llguidance tokenizer: built on first use
 
     def __repr__(self) -> str:
         return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
@@ -184,9 +186,23 @@ class Member:
 
     def prefill(self, ids: Sequence[int]) -> KVState:
         """A new state holding `ids` (the prompt); its next_logprobs is ready."""
+        self.n_prefill += 1
         state = self.new_state()
         self.extend(state, ids, last_only=True)
         return state
+
+    @contextlib.contextmanager
+    def scratch(self, state: KVState):
+        """Tokens extended inside the block are a draft: on exit the cache is cropped back and
+        `next_logprobs` / `next_logits` are exactly what they were before (no recompute)."""
+        base = len(state.ids)
+        self.ensure_next(state)
+        saved = (state.next_logprobs, state.next_logits)
+        try:
+            yield state
+        finally:
+            self.crop(state, base)
+            state.next_logprobs, state.next_logits = saved
 
     def crop(self, state: KVState, n: int) -> None:
         """Roll the cache back to its first `n` tokens. next_logprobs becomes unknown (None) unless

@@ -92,10 +92,7 @@ class VocabIndex:
 
 
 def vocab_index(member: Member) -> VocabIndex:
-    idx = getattr(member, "_vocab_index", None)
-    if idx is None:
-        idx = member._vocab_index = VocabIndex(member)
-    return idx
+    return member.vocab.index()
 
 
 def top_keys(member: Member, row: torch.Tensor, k: int) -> list[Key]:

@@ -171,8 +171,13 @@ class ByteLM:
     """One member as a byte-level LM over 257 slots, for many beams at once."""
 
     def __init__(self, member: Member, beam_width: int = 5, prune_threshold: float = 0.0,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, keep_fresh: bool = False) -> None:
         self.member = member
+        # keep_fresh: always keep the best "token ends here" hypothesis, however light. Under a
+        # grammar the bytes only it can write may be the only allowed ones (a digit after '": '
+        # when digits are separate tokens); pruned, they would get probability 0 and every
+        # allowed continuation would die.
+        self.keep_fresh = keep_fresh
         self.beam_width = beam_width
         self.log_prune = _log(prune_threshold) if prune_threshold > 0 else NEG_INF
         self.temperature = temperature
@@ -273,7 +278,8 @@ class ByteLM:
             # bytes only it could write carry less than the threshold; `advance` heals if one
             # is taken all the same).
             fresh = next((h for h in out if not h.partial), None)
-            if fresh is not None and (self.log_prune == NEG_INF or fresh.logw >= out[0].logw + self.log_prune):
+            if fresh is not None and (self.keep_fresh or self.log_prune == NEG_INF
+                                      or fresh.logw >= out[0].logw + self.log_prune):
                 kept.append(fresh)
         return kept
 
@@ -359,9 +365,5 @@ class ByteLM:
 
 
 def byte_trie(member: Member) -> VocabTrie:
-    """The member's VocabTrie, built once per member."""
-    trie = getattr(member, "_byte_trie", None)
-    if trie is None:
-        trie = VocabTrie(member.vocab_bytes, member.special_ids, member.eos_ids)
-        member._byte_trie = trie
-    return trie
+    """The member's VocabTrie, built once per member (owned by its Vocab)."""
+    return member.vocab.trie()

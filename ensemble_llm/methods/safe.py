@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from .align import EOS, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
 from .sampling import pick_token
-from .unite import Emitter, check_ensemble_members, check_main, check_weights
+from .unite import Emitter, UniteStats, check_ensemble_members, check_main, check_weights
 
 SHARPEN_MODES = ("heuristic", "geometric", None)
 
@@ -73,10 +73,19 @@ class SafeConfig:
         check_weights(self.weights, None, "SafeConfig")
 
 
+@dataclass
+class SafeStats(UniteStats):
+    skipped_oov: int = 0  # checked positions after a token no verifier can see as a boundary
+    skipped_consensus: int = 0  # positions every verifier agreed with (no ensembling: Theorem 1)
+    replacements: int = 0  # ensembled positions whose choice replaced the drafted token
+    cycles: int = 0  # draft-verify cycles
+    skipped_incomplete_utf8: int | None = None  # (unite's figure; SAFE skips those as oov)
+
+
 class Safe(Method):
     name = "safe"
     config_class = SafeConfig
-    audit = False  # tests: at consensus skips, also record the unite argmax (costs time)
+    stats_class = SafeStats
 
     def check_members(self) -> None:
         check_ensemble_members(self.name, self.members, self.config.drafter, "SafeConfig.drafter",
@@ -90,20 +99,35 @@ class Safe(Method):
         ordered, weights, dstate, views = start_members(members, req.main, req.weights, req.prompt_ids)
         wsum = sum(weights)
         drafter, didx = ordered[0], vocab_index(ordered[0])
-        st = req.stats
-        st.update(tokens_out=0, tokens_ensembled=0, skipped_oov=0, skipped_consensus=0, replacements=0, cycles=0)
-        self.trace: list[dict] = []
-        self.last = {"drafter": dstate, "views": views, "text": b""}
+        st = req.stats = SafeStats()
+        trace = req.trace
+        guide, main, plen = req.guide, req.main, len(dstate.ids)
         text, emit, budget = b"", Emitter(), req.max_new_tokens
         finished, lookahead = False, cfg.lookahead
-        while not finished and st["tokens_out"] < budget:
-            st["cycles"] += 1
-            n = min(lookahead, budget - st["tokens_out"])
+        while not finished and st.tokens_out < budget:
+            forced = guide.forced_tokens(main, dstate.ids[plen:])[: budget - st.tokens_out] if guide else []
+            if forced:  # the grammar forces these tokens: written without drafting or verifying
+                guide.forced += len(forced)
+                text += b"".join(didx.key_of(t) for t in forced)
+                st.tokens_out += len(forced)
+                if trace is not None:
+                    trace.append({"byte": len(text), "reason": "forced", "tokens": len(forced)})
+                finished = guide.complete(text)
+                if not finished and st.tokens_out < budget:
+                    drafter.extend(dstate, forced)
+                piece = emit.take(text)
+                if piece:
+                    yield piece
+                continue
+            st.cycles += 1
+            n = min(lookahead, budget - st.tokens_out)
             base = len(dstate.ids)
             drafts: list[tuple[int, torch.Tensor]] = []
             drafted = text
             for j in range(n):  # 1. draft, up to EOS or a stop string (nothing after either is kept)
                 row = dstate.next_logprobs
+                if guide:  # the drafter writes only what the grammar allows
+                    row = guide.mask_row(main, dstate.ids[plen:], row)
                 tok = pick_token(row, req.temperature, req.top_p, req.generator)
                 drafts.append((tok, row))
                 if tok in drafter.eos_ids:
@@ -112,7 +136,7 @@ class Safe(Method):
                 drafted += key
                 if req.stop_end(drafted, len(drafted) - len(key)) is not None:
                     break  # the drafter's cache lacks this token: the request ends with this cycle
-                if st["tokens_out"] + j + 1 < budget:  # the budget's last token needs no forward
+                if st.tokens_out + j + 1 < budget:  # the budget's last token needs no forward
                     drafter.extend(dstate, [tok])
             keys = [didx.key_of(t) for t, _ in drafts]
             starts, pos = [], len(text)
@@ -128,8 +152,9 @@ class Safe(Method):
                 b = starts[j]
                 end = b if key is EOS else b + len(key)
                 if end > cut or any(b not in v.rows for v in views):
-                    st["skipped_oov"] += 1
-                    self.trace.append({"byte": b, "reason": "oov"})
+                    st.skipped_oov += 1
+                    if trace is not None:
+                        trace.append({"byte": b, "reason": "oov"})
                     continue
                 vrows = [v.rows[b] for v in views]
                 # Consensus needs the verifiers' own next tokens to be the drafter's token string:
@@ -149,47 +174,55 @@ class Safe(Method):
                 # the weighted mean (App. H): above 1/2 the token is the weighted ensemble's argmax
                 p_mean = sum(w * p for w, p in zip(weights, p_own)) / wsum
                 if aligned and (agree or p_mean > cfg.consensus):
-                    st["skipped_consensus"] += 1
-                    entry = {"byte": b, "reason": "consensus", "key": key}
-                    if self.audit:
+                    st.skipped_consensus += 1
+                    if trace is not None:  # with what UniTE would have picked here (Theorem 1: the same)
                         dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
-                        entry["unite_pick"] = dist.keys[int(torch.argmax(dist.probs))]
-                    self.trace.append(entry)
+                        trace.append({"byte": b, "reason": "consensus", "key": key,
+                                      "unite_pick": dist.keys[int(torch.argmax(dist.probs))]})
                     continue
-                st["tokens_ensembled"] += 1
+                st.tokens_ensembled += 1
                 dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
                 probs = dist.probs
                 if float(probs.max()) < 0.5:
                     probs = sharpen(dist, top_keys(drafter, row, cfg.top_k), cfg.sharpen, cfg.sharpen_lambda, weights)
-                choice = dist.keys[pick_token(torch.log(probs), req.temperature, req.top_p, req.generator)]
-                self.trace.append({"byte": b, "reason": "ensemble", "key": key, "choice": choice})
+                logp = torch.log(probs)
+                if guide:  # only keys the grammar allows after the text before this token
+                    logp = guide.key_logprobs(full[:b], [None if k is EOS else k for k in dist.keys], logp)
+                    if logp is None:  # none in the union: the drafter's (allowed) token stands
+                        continue
+                choice = dist.keys[pick_token(logp, req.temperature, req.top_p, req.generator)]
+                if trace is not None:
+                    trace.append({"byte": b, "reason": "ensemble", "key": key, "choice": choice})
                 if choice != key:
                     replaced = (j, choice)
                     break
             if replaced is None:
-                st["tokens_out"] += sum(1 for k in keys if k is not EOS)
+                st.tokens_out += sum(1 for k in keys if k is not EOS)
                 finished = keys[-1] is EOS or req.stop_end(full, len(text)) is not None
                 text = full
             else:
                 j, choice = replaced
-                st["replacements"] += 1
+                st.replacements += 1
                 new = full[: starts[j]] + (b"" if choice is EOS else choice)
-                st["tokens_out"] += j + (0 if choice is EOS else 1)
+                st.tokens_out += j + (0 if choice is EOS else 1)
                 drafter.crop(dstate, base + j)
                 finished = choice is EOS or req.stop_end(new, len(text)) is not None
                 text = new
-                if not finished and st["tokens_out"] < budget:
+                if not finished and st.tokens_out < budget:
                     drafter.extend(dstate, didx.ids_for(choice))
+            if guide and not finished and guide.complete(text):  # the grammar allows nothing more
+                finished = True
             if cfg.adaptive:
                 cap = max(cfg.lookahead, cfg.max_lookahead)
                 lookahead = min(cap, lookahead + 2) if replaced is None else max(1, lookahead - 1)
             if finished:
                 req.finish_reason = "stop"
-            self.last["text"] = text
-            st["ensembled_fraction"] = st["tokens_ensembled"] / max(1, st["tokens_out"])
             piece = emit.take(text)
             if piece:
                 yield piece
         tail = emit.take(text, final=True)
         if tail:
             yield tail
+        # the generator's return value (StopIteration.value): the final caches, for callers that
+        # drive run() themselves (the engine ignores it)
+        return {"drafter": dstate, "views": views, "text": text}

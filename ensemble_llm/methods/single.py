@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import ConfigError
-from .base import Method, Request
+from .base import Method, Request, RunStats
 from .sampling import pick_token
 from .text import IncrementalDecoder
 
@@ -37,18 +37,29 @@ class Single(Method):
         m = self.members[idx]
         state = m.prefill(req.prompt_ids[idx])
         decoder = IncrementalDecoder(m)
-        req.stats["tokens_out"] = 0
-        for step in range(req.max_new_tokens):
-            tok = pick_token(state.next_logprobs, req.temperature, req.top_p, req.generator)
-            if tok in m.eos_ids:
-                req.finish_reason = "stop"
-                break
-            req.stats["tokens_out"] += 1
-            piece = decoder.add([tok])
+        guide, ids, budget = req.guide, [], req.max_new_tokens
+        st = req.stats = RunStats()
+        while len(ids) < budget:
+            new = guide.forced_tokens(idx, ids)[: budget - len(ids)] if guide else []
+            if new:  # the grammar forces these tokens: written without sampling
+                guide.forced += len(new)
+            else:
+                row = guide.mask_row(idx, ids, state.next_logprobs) if guide else state.next_logprobs
+                tok = pick_token(row, req.temperature, req.top_p, req.generator)
+                if tok in m.eos_ids:
+                    req.finish_reason = "stop"
+                    break
+                new = [tok]
+            ids += new
+            st.tokens_out += len(new)
+            piece = decoder.add(new)
             if piece:
                 yield piece
-            if step + 1 < req.max_new_tokens:
-                m.extend(state, [tok])
+            if guide and guide.token_done(idx, ids):  # the grammar allows nothing more
+                req.finish_reason = "stop"
+                break
+            if len(ids) < budget:
+                m.extend(state, new)
         tail = decoder.flush()
         if tail:
             yield tail

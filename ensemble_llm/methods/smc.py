@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError, RequestError
-from .base import Method, Request
+from ..errors import ConfigError, GenerationError, RequestError
+from .base import Method, Request, RunStats
 from .bytelm import EOS, ByteLM
 
 NEG_INF = -math.inf
@@ -145,19 +145,27 @@ class SmcRun:
         return out
 
 
-def _extensions(lms: Sequence[Any], rows: Sequence[Particle], tau: float,
-                w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _extensions(lms: Sequence[Any], rows: Sequence[Particle], tau: float, w: np.ndarray,
+                allowed: Callable[[bytes], np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every row x and slot b (256 bytes + EOS): log P_k(x) [n, K], log P_k(x b) [n, K, 257]
-    and log psi(x b) [n, 257]; one batched next-byte call per member."""
+    and log psi(x b) [n, 257]; one batched next-byte call per member. With `allowed` (a grammar's
+    next-byte mask after a text), psi(x b) is 0 for every byte the grammar forbids: the target is
+    then pi_f restricted to the grammar's strings, and SMC's weights (the allowed mass) and the
+    beam's scores follow that target exactly."""
     logq = np.stack([lm.next_logprobs([p.states[k] for p in rows]) for k, lm in enumerate(lms)], axis=1)
     lp = np.stack([p.lp for p in rows])
     joint = lp[:, :, None] + logq
-    return lp, joint, f_ensemble(joint, tau, w, axis=1)
+    psi_next = f_ensemble(joint, tau, w, axis=1)
+    if allowed is not None:
+        mask = np.stack([allowed(p.text) for p in rows])
+        psi_next = np.where(mask, psi_next, NEG_INF)
+    return lp, joint, psi_next
 
 
 def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights: Sequence[float],
                n_particles: int, ess_threshold: float, generator: torch.Generator | None,
-               finished: Callable[[Particle], str | None], run: SmcRun | None = None) -> Iterator[SmcRun]:
+               finished: Callable[[Particle], str | None], run: SmcRun | None = None,
+               allowed: Callable[[bytes], np.ndarray] | None = None) -> Iterator[SmcRun]:
     """SMC over byte LMs (objects with `next_logprobs(states) -> [n, 257]` log-probs and
     `advance(state, byte) -> state`). Yields the run after every byte step (after resampling);
     `finished(particle)` names why a particle stops after a byte (a stop string, the budget)."""
@@ -178,7 +186,7 @@ def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights
                 uniq[key] = len(rows)
                 rows.append(p)
             row_of.append(uniq[key])
-        lp, joint, psi_next = _extensions(lms, rows, tau, w)
+        lp, joint, psi_next = _extensions(lms, rows, tau, w, allowed)
         psi = f_ensemble(lp, tau, w, axis=1)  # [n]
         total = np.logaddexp.reduce(psi_next, axis=1)  # [n]
         probs = np.exp(psi_next - np.where(np.isfinite(total), total, 0.0)[:, None])
@@ -223,7 +231,8 @@ class BeamRun:
 
 
 def beam_search(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights: Sequence[float], width: int,
-                finished: Callable[[Particle], str | None]) -> Iterator[BeamRun]:
+                finished: Callable[[Particle], str | None],
+                allowed: Callable[[bytes], np.ndarray] | None = None) -> Iterator[BeamRun]:
     """Deterministic search for the mode of pi_f: beam search over byte prefixes scored by
     log psi(x), `width` prefixes kept per byte step, each step one batched forward per member.
 
@@ -241,7 +250,7 @@ def beam_search(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weight
         if best is not None and best.logw >= max(p.logw for p in run.live):
             return
         run.steps += 1
-        _, joint, psi_next = _extensions(lms, run.live, tau, w)
+        _, joint, psi_next = _extensions(lms, run.live, tau, w, allowed)
         cands = []
         for r in range(len(run.live)):
             for b in np.flatnonzero(np.isfinite(psi_next[r])):
@@ -263,9 +272,40 @@ def beam_search(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weight
         yield run
 
 
+@dataclass
+class SmcStats(RunStats):
+    bytes_out: int = 0
+    search: str = "smc"  # "smc" (SMC sampling) or "beam" (the mode at temperature 0)
+    heals: int = 0  # byte-LM beams revived by committing partial bytes as a token
+    f: str = ""  # the f-ensemble, e.g. "product" or "power(2)"
+    n_particles: int = 0
+    # SMC sampling
+    smc_steps: int | None = None
+    resamplings: int | None = None
+    ess: list[float] | None = None  # effective sample size after every byte step
+    log_z: float | None = None
+    distinct_texts: int | None = None
+    best_weight: float | None = None
+    # beam search
+    beam_steps: int | None = None
+    finished_candidates: int | None = None
+    best_log_psi: float | None = None
+    particles: list[dict] | None = None  # with return_particles
+
+    @classmethod
+    def summarize(cls, runs: list[RunStats]) -> dict[str, Any]:
+        ess = [e for r in runs for e in (r.ess or [])]
+        steps = sum((r.smc_steps or 0) + (r.beam_steps or 0) for r in runs)
+        return {"ess_mean": sum(ess) / len(ess) if ess else None,
+                "resamplings_per_step": sum(r.resamplings or 0 for r in runs) / max(1, steps),
+                "bytes_out": sum(r.bytes_out for r in runs), "byte_steps": steps,
+                "search": runs[0].search if runs else None}
+
+
 class Smc(Method):
     name = "smc"
     config_class = SmcConfig
+    stats_class = SmcStats
 
     def main_member(self) -> int | None:
         return None  # the strongest member counts the token budget
@@ -292,14 +332,20 @@ class Smc(Method):
         temperature = req.temperature if req.temperature > 0 else 1.0
         generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
         search = req.temperature == 0 and cfg.greedy == "beam"
-        lms = [ByteLM(m, cfg.beam_width, cfg.prune_threshold, temperature) for m in self.members]
+        lms = [ByteLM(m, cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
+               for m in self.members]
         starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
         # the longest stop first: with overlapping stops the text is cut where the engine would cut it
         stops = sorted((s.encode("utf-8") for s in req.stop if s), key=len, reverse=True)
         max_bytes = cfg.max_bytes or 16 * req.max_new_tokens
         main = req.main
 
+        guide = req.guide
+        allowed = guide.byte_mask if guide else None
+
         def finished(p: Particle) -> str | None:
+            if guide and guide.complete(p.text):  # the grammar allows nothing more
+                return "stop"
             for s in stops:
                 if p.text.endswith(s):
                     p.text = p.text[: -len(s)]
@@ -315,10 +361,12 @@ class Smc(Method):
         # a stop string can only be cut from the end of a particle's text: hold that many bytes back
         hold = max((len(s) for s in stops), default=1) - 1
         if search:
-            steps = beam_search(lms, starts, tau=cfg.power, weights=weights, width=cfg.n_particles, finished=finished)
+            steps = beam_search(lms, starts, tau=cfg.power, weights=weights, width=cfg.n_particles, finished=finished,
+                                allowed=allowed)
         else:
             steps = smc_sample(lms, starts, tau=cfg.power, weights=weights, n_particles=cfg.n_particles,
-                               ess_threshold=cfg.ess_threshold, generator=generator, finished=finished)
+                               ess_threshold=cfg.ess_threshold, generator=generator, finished=finished,
+                               allowed=allowed)
         for run in steps:
             if search:  # final: a prefix of every live beam and of the best finished string
                 best = run.best()
@@ -340,8 +388,11 @@ class Smc(Method):
                 lm.compact([p.states[k] for p in alive])
         if search:
             best = run.best() if run is not None else None
-            if best is None:  # the budget ended every beam without a finished string
+            if best is None and run.live:  # the budget ended every beam without a finished string
                 best = max(run.live, key=lambda p: p.logw)
+            if best is None:  # every beam reached psi = 0 (only possible under a grammar)
+                raise GenerationError("every smc beam reached a text the members give probability 0 under the "
+                                      "grammar; raise SmcConfig.beam_width or prune_threshold=0.")
             stats = {"beam_steps": run.steps, "finished_candidates": len(run.done), "best_log_psi": best.logw}
         else:
             # only particles that start with what was streamed can be the answer (a particle that
@@ -357,21 +408,16 @@ class Smc(Method):
             yield tail
         req.finish_reason = "stop" if best.done == "stop" else "length"
         text = best.text.decode("utf-8", errors="replace")
-        req.stats.update({
-            "tokens_out": len(self.members[main].encode(text)) if text else 0,
-            "bytes_out": len(best.text),
-            "search": "beam" if search else "smc",
-            **stats,
-            "heals": sum(lm.heals for lm in lms),
-            "f": cfg.f if cfg.f != "power" else f"power({cfg.tau:g})",
-            "n_particles": cfg.n_particles,
-        })
+        req.stats = SmcStats(tokens_out=len(self.members[main].encode(text)) if text else 0, bytes_out=len(best.text),
+                             search="beam" if search else "smc", heals=sum(lm.heals for lm in lms),
+                             f=cfg.f if cfg.f != "power" else f"power({cfg.tau:g})", n_particles=cfg.n_particles,
+                             **stats)
         if cfg.return_particles and not search:
-            req.stats["particles"] = [
+            req.stats.particles = [
                 {"text": p.text.decode("utf-8", errors="replace"), "weight": float(w), "finish": p.done}
                 for p, w in zip(run.particles, run.normalised())]
         elif cfg.return_particles:
-            req.stats["particles"] = [
+            req.stats.particles = [
                 {"text": p.text.decode("utf-8", errors="replace"), "log_psi": p.logw, "finish": p.done}
                 for p in sorted(run.done, key=lambda p: -p.logw)]
 

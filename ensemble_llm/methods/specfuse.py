@@ -27,14 +27,14 @@ from __future__ import annotations
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import ConfigError
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
-from .base import Method, Request
+from .base import Method, Request, RunStats
 from .sampling import pick_token
 from .unite import check_ensemble_members, check_weights
 
@@ -116,9 +116,26 @@ def normalise(scores: torch.Tensor, mode: str) -> torch.Tensor:
     return g / g.sum(dim=1, keepdim=True)
 
 
+@dataclass
+class SpecFuseStats(RunStats):
+    rounds: int = 0  # draft-score rounds
+    wins: dict[str, int] = field(default_factory=dict)  # rounds won per member
+    drafts_saved: int = 0  # drafts not written by members that exited (exit_threshold)
+    segment_tokens: list[int] = field(default_factory=list)  # tokens kept per round
+    kept_scored_kv: int = 0  # member-rounds whose scoring forward's KV was kept (no re-sync)
+    weights: dict[str, float] = field(default_factory=dict)  # Hedge weights at the end
+    active: dict[str, bool] = field(default_factory=dict)  # members still drafting at the end
+
+    @classmethod
+    def summarize(cls, runs: list[RunStats]) -> dict[str, Any]:
+        names = list(runs[0].weights) if runs else []
+        return {"hedge_weights_mean": {n: sum(r.weights[n] for r in runs) / len(runs) for n in names}}
+
+
 class SpecFuse(Method):
     name = "specfuse"
     config_class = SpecFuseConfig
+    stats_class = SpecFuseStats
 
     def check_members(self) -> None:
         check_ensemble_members(self.name, self.members, 0, "SpecFuseConfig.members", self.config.weights)
@@ -133,23 +150,33 @@ class SpecFuse(Method):
         stop string (cut right after it: nothing past a stop is drafted or scored)."""
         m, state = view.member, view.state
         idx = vocab_index(m)
-        base, saved = len(state.ids), (m.ensure_next(state), state.next_logits)
         data, eos, stop_at = b"", False, None
-        for step in range(n):
-            tok = pick_token(state.next_logprobs, req.temperature, req.top_p, gen)
-            if tok in m.eos_ids:
-                eos = True
-                break
-            key = idx.key_of(tok)
-            data += key
-            stop_at = req.stop_end(text + data, len(text) + len(data) - len(key))
-            if stop_at is not None:
-                data = data[: stop_at - len(text)]
-                break
-            if step + 1 < n:
-                m.extend(state, [tok])
-        m.crop(state, base)
-        state.next_logprobs, state.next_logits = saved  # the cache is back to exactly what it held
+        guide, plen, done = req.guide, view.prompt_len, 0
+        with m.scratch(state):  # the draft's tokens leave the cache as it was
+            while done < n:
+                forced = guide.forced_tokens(i, state.ids[plen:])[: n - done] if guide else []
+                if forced:  # the grammar forces these tokens: drafted without sampling
+                    guide.forced += len(forced)
+                    new = forced
+                else:
+                    row = guide.mask_row(i, state.ids[plen:], state.next_logprobs) if guide else state.next_logprobs
+                    tok = pick_token(row, req.temperature, req.top_p, gen)
+                    if tok in m.eos_ids:
+                        eos = True
+                        break
+                    new = [tok]
+                key = b"".join(idx.key_of(t) for t in new)
+                data += key
+                done += len(new)
+                stop_at = req.stop_end(text + data, len(text) + len(data) - len(key))
+                if stop_at is not None:
+                    data = data[: stop_at - len(text)]
+                    break
+                if guide and guide.token_done(i, state.ids[plen:] + new):  # nothing may follow: the draft ends
+                    eos = True
+                    break
+                if done < n:
+                    m.extend(state, new)
         if stop_at is not None:
             return Draft(i, data, False, stopped=True)
         return Draft(i, cut_draft(data, eos) if data or eos else b"", eos)
@@ -190,9 +217,7 @@ class SpecFuse(Method):
         w = torch.tensor(req.weights or [1.0] * k, dtype=torch.float64)
         w = w / w.sum()
         active = [True] * k
-        st = req.stats
-        st.update(rounds=0, wins={m.name: 0 for m in members}, drafts_saved=0, tokens_out=0, segment_tokens=[],
-                  kept_scored_kv=0)
+        st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
         parallel = len({str(m.device) for m in members}) > 1
         # one generator per member when drafting in parallel, so sampling stays reproducible
         gens = [req.generator] * k
@@ -202,12 +227,12 @@ class SpecFuse(Method):
         text = b""
         pool = ThreadPoolExecutor(max_workers=k) if parallel else None
         try:
-            while st["tokens_out"] < req.max_new_tokens:
-                st["rounds"] += 1
-                t = st["rounds"]
-                n = min(cfg.segment_len, req.max_new_tokens - st["tokens_out"])
+            while st.tokens_out < req.max_new_tokens:
+                st.rounds += 1
+                t = st.rounds
+                n = min(cfg.segment_len, req.max_new_tokens - st.tokens_out)
                 todo = [i for i in range(k) if active[i]]
-                st["drafts_saved"] += k - len(todo)
+                st.drafts_saved += k - len(todo)
                 if pool is not None:
                     drafts = list(pool.map(lambda i: self._draft(i, views[i], n, req, gens[i], text), todo))
                 else:
@@ -228,7 +253,7 @@ class SpecFuse(Method):
                 total = (w[:, None] * s).sum(dim=0)  # [C]
                 best_i = int(torch.argmax(total))
                 best = drafts[best_i]
-                st["wins"][members[best.member].name] += 1
+                st.wins[members[best.member].name] += 1
                 if cfg.exit_threshold is not None:
                     for i in range(k):
                         if active[i] and w[i] < cfg.exit_threshold and i != int(torch.argmax(w)):
@@ -236,13 +261,13 @@ class SpecFuse(Method):
                 # budget in the first member's tokens: cut an over-long winner at a token boundary
                 seg = best.text
                 ids, ends = main.encode_with_offsets(seg.decode("utf-8")) if seg else ([], [])
-                room = req.max_new_tokens - st["tokens_out"]
+                room = req.max_new_tokens - st.tokens_out
                 eos = best.eos
                 if len(ids) > room:
                     seg = seg[: valid_utf8_prefix(seg[: ends[room - 1]])]
                     ids, eos = ids[:room], False
-                st["tokens_out"] += len(ids)
-                st["segment_tokens"].append(len(ids))
+                st.tokens_out += len(ids)
+                st.segment_tokens.append(len(ids))
                 old = len(text)
                 text += seg
                 if seg:
@@ -250,12 +275,12 @@ class SpecFuse(Method):
                 if eos or (best.stopped and seg == best.text):
                     req.finish_reason = "stop"
                     break
-                if st["tokens_out"] >= req.max_new_tokens:
+                if st.tokens_out >= req.max_new_tokens:
                     break
                 if seg:
                     decoded = text.decode("utf-8")
                     for v, (_, cands) in zip(views, scored):
-                        st["kept_scored_kv"] += self._advance(v, decoded, old, cands[best_i] if seg == best.text else [],
+                        st.kept_scored_kv += self._advance(v, decoded, old, cands[best_i] if seg == best.text else [],
                                                               best_i)
                 else:
                     for v in views:
@@ -263,5 +288,5 @@ class SpecFuse(Method):
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
-            st["weights"] = {m.name: round(float(x), 4) for m, x in zip(members, w)}
-            st["active"] = {m.name: a for m, a in zip(members, active)}
+            st.weights = {m.name: round(float(x), 4) for m, x in zip(members, w)}
+            st.active = {m.name: a for m, a in zip(members, active)}

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import ConfigError
 from .align import EOS, start_members, union_distribution, valid_utf8_prefix, vocab_index
-from .base import Method, Request
+from .base import Method, Request, RunStats
 from .sampling import pick_token
 
 
@@ -63,6 +63,24 @@ class UniteConfig:
         check_weights(self.weights, None, "UniteConfig")
 
 
+@dataclass
+class UniteStats(RunStats):
+    tokens_ensembled: int = 0  # positions decided by the union distribution
+    skipped_incomplete_utf8: int = 0  # positions inside a multi-byte character (the primary alone)
+
+    @property
+    def ensembled_fraction(self) -> float:
+        """E/T: ensembled positions over tokens written."""
+        return self.tokens_ensembled / max(1, self.tokens_out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "ensembled_fraction": self.ensembled_fraction}
+
+    @classmethod
+    def summarize(cls, runs: list[RunStats]) -> dict[str, Any]:
+        return {"ensembled_fraction": sum(r.tokens_ensembled for r in runs) / max(1, sum(r.tokens_out for r in runs))}
+
+
 class Emitter:
     """Releases the committed bytes as text, holding back an incomplete UTF-8 tail."""
 
@@ -89,6 +107,7 @@ class Emitter:
 class Unite(Method):
     name = "unite"
     config_class = UniteConfig
+    stats_class = UniteStats
 
     def check_members(self) -> None:
         check_ensemble_members(self.name, self.members, self.config.primary, "UniteConfig.primary",
@@ -102,34 +121,50 @@ class Unite(Method):
         ordered, weights, pstate, views = start_members(members, req.main, req.weights, req.prompt_ids)
         prim = ordered[0]
         pidx = vocab_index(prim)
-        st = req.stats
-        st.update(tokens_out=0, tokens_ensembled=0, skipped_incomplete_utf8=0)
+        guide, main, budget = req.guide, req.main, req.max_new_tokens
+        plen = len(pstate.ids)
+        st = req.stats = UniteStats()
         text, emit = b"", Emitter()
-        for step in range(req.max_new_tokens):
+        while st.tokens_out < budget:
             prow = pstate.next_logprobs
-            if valid_utf8_prefix(text) == len(text):
+            forced = guide.forced_tokens(main, pstate.ids[plen:])[: budget - st.tokens_out] if guide else []
+            if forced:  # the grammar forces these tokens: written without sampling
+                guide.forced += len(forced)
+                key, ids = b"".join(pidx.key_of(t) for t in forced), forced
+            elif valid_utf8_prefix(text) == len(text):
                 rows = [prow]
                 for v in views:
                     v.sync(text.decode("utf-8"), from_byte=len(text))
                     rows.append(v.rows[len(text)])
                 dist = union_distribution(ordered, rows, weights, cfg.top_k)
-                key = dist.keys[pick_token(torch.log(dist.probs), req.temperature, req.top_p, req.generator)]
-                ids = None if key is EOS else pidx.ids_for(key)
-                st["tokens_ensembled"] += 1
+                logp = torch.log(dist.probs)
+                if guide:  # only keys whose bytes the grammar allows here (None: no key is)
+                    logp = guide.key_logprobs(text, [None if k is EOS else k for k in dist.keys], logp)
+                if logp is not None:
+                    key = dist.keys[pick_token(logp, req.temperature, req.top_p, req.generator)]
+                    ids = None if key is EOS else pidx.ids_for(key)
+                    st.tokens_ensembled += 1
+                else:  # no union key is allowed: the primary's best allowed token
+                    tok = pick_token(guide.mask_row(main, pstate.ids[plen:], prow), req.temperature, req.top_p,
+                                     req.generator)
+                    key, ids = pidx.key_of(tok), [tok]
             else:  # inside a multi-byte character: the primary completes it alone
-                tok = pick_token(prow, req.temperature, req.top_p, req.generator)
+                row = guide.mask_row(main, pstate.ids[plen:], prow) if guide else prow
+                tok = pick_token(row, req.temperature, req.top_p, req.generator)
                 key, ids = pidx.key_of(tok), [tok]
-                st["skipped_incomplete_utf8"] += 1
+                st.skipped_incomplete_utf8 += 1
             if key is EOS:
                 req.finish_reason = "stop"
                 break
             text += key
-            st["tokens_out"] += 1
-            st["ensembled_fraction"] = st["tokens_ensembled"] / st["tokens_out"]
+            st.tokens_out += len(ids)
             piece = emit.take(text)
             if piece:
                 yield piece
-            if step + 1 < req.max_new_tokens:
+            if guide and guide.complete(text):  # the grammar allows nothing more
+                req.finish_reason = "stop"
+                break
+            if st.tokens_out < budget:
                 prim.extend(pstate, ids)
         tail = emit.take(text, final=True)
         if tail:

@@ -8,6 +8,7 @@ and the request queue all live in the engine, shared with the LlamaIndex facade.
 from __future__ import annotations
 
 import json
+from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -25,16 +26,20 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, model_validator
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.runnables import RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ensemble_llm import Ensemble
+from ensemble_llm import Ensemble, GenerationParams
 from ensemble_llm.chat import check_tool_choice, content_text
 from ensemble_llm.engine import GenerationResult
 from ensemble_llm.stopping import stop_list
 
 # per-call keyword arguments that LangChain or its agents may pass and that we understand
-_CALL_KEYS = {"tools", "tool_choice", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "model"}
+_CALL_KEYS = {"tools", "tool_choice", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "model",
+              "response_format", "trace"}
 # keyword arguments LangChain passes through that carry no generation setting for us
 _PASSTHROUGH = {"ls_structured_output_format", "parallel_tool_calls", "strict", "stream"}
 
@@ -140,7 +145,7 @@ class EnsembleLLM(BaseChatModel):
         self.members = self.engine.model_names
         self.method = self.engine.method_name
         if self.profile is None:
-            self.profile = {"tool_calling": True, "tool_choice": True, "structured_output": False,
+            self.profile = {"tool_calling": True, "tool_choice": True, "structured_output": True,
                             "text_inputs": True, "text_outputs": True, "temperature": True}
         return self
 
@@ -183,8 +188,46 @@ class EnsembleLLM(BaseChatModel):
         check_tool_choice(tool_choice, formatted)  # fail here, not at the first call
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
+    def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """Replies parsed into `schema` (a pydantic model, a TypedDict, or a JSON Schema dict).
+
+        method="json_schema" (default): the reply is constrained to the schema's grammar
+        (llguidance), so it always parses and validates. "json_mode": a JSON object; when a schema
+        is given it constrains the reply as well (a local grammar costs nothing extra, and a small
+        model left to the prompt adds keys of its own). "function_calling": a forced call of a tool
+        shaped like the schema (also grammar-constrained). `strict` is accepted for compatibility:
+        every method here is strict."""
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', got {method!r}")
+        is_model = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "json_schema" and schema is None:
+            raise ValueError("method='json_schema' needs a schema (a pydantic model, a TypedDict or a dict)")
+        if schema is not None:
+            if is_model:  # pydantic 2, or a pydantic.v1 model
+                json_schema = schema.model_json_schema() if hasattr(schema, "model_json_schema") else schema.schema()
+            else:
+                json_schema = convert_to_json_schema(schema)
+            name = json_schema.get("title") or "response"
+            fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema, "strict": True}}
+        else:
+            fmt = {"type": "json_object"}
+        llm = self.bind(response_format=fmt,
+                        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+        parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
+        if include_raw:
+            assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+            none = RunnablePassthrough.assign(parsed=lambda _: None)
+            return RunnableMap(raw=llm) | assign.with_fallbacks([none], exception_key="parsing_error")
+        return llm | parser
+
     # ---- generation ----------------------------------------------------------------------
-    def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationParams:
         unknown = set(kwargs) - _CALL_KEYS - _PASSTHROUGH
         if unknown:
             raise ValueError(f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; "
@@ -195,7 +238,7 @@ class EnsembleLLM(BaseChatModel):
                              f"EnsembleLLM(members=[...]) (this one is {self.model_name!r}).")
         # a string is ONE stop string (as in LlamaIndex and OpenAI), never its characters
         stops = stop_list(self.stop, stop)  # duplicates are harmless: StopMatcher drops them
-        return {
+        return GenerationParams(**{
             "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),
             "top_p": kwargs.get("top_p", self.top_p),
@@ -205,7 +248,9 @@ class EnsembleLLM(BaseChatModel):
             "max_retries": self.max_retries,
             "tools": kwargs.get("tools"),
             "tool_choice": kwargs.get("tool_choice"),
-        }
+            "response_format": kwargs.get("response_format"),
+            "trace": bool(kwargs.get("trace", False)),
+        })
 
     def _metadata(self, result: GenerationResult) -> dict[str, Any]:
         return {"model_name": self.model_name, "members": result.models, "method": result.method,
@@ -232,21 +277,21 @@ class EnsembleLLM(BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         request = self._request(stop, kwargs)
-        result = self.engine.generate(to_engine_messages(messages), **request)
+        result = self.engine.generate(to_engine_messages(messages), request)
         return ChatResult(generations=[ChatGeneration(message=self._message(result),
                                                       generation_info={"finish_reason": result.finish_reason})])
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         request = self._request(stop, kwargs)
-        result = await self.engine.agenerate(to_engine_messages(messages), **request)
+        result = await self.engine.agenerate(to_engine_messages(messages), request)
         return ChatResult(generations=[ChatGeneration(message=self._message(result),
                                                       generation_info={"finish_reason": result.finish_reason})])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         request = self._request(stop, kwargs)
-        stream = self.engine.stream(to_engine_messages(messages), **request)
+        stream = self.engine.stream(to_engine_messages(messages), request)
         for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
@@ -258,7 +303,7 @@ class EnsembleLLM(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(stop, kwargs)
-        stream = self.engine.astream(to_engine_messages(messages), **request)
+        stream = self.engine.astream(to_engine_messages(messages), request)
         async for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:

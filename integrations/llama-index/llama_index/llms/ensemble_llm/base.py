@@ -28,7 +28,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from ensemble_llm import Ensemble
+from ensemble_llm import Ensemble, GenerationParams
 from ensemble_llm.chat import check_tool_choice
 from ensemble_llm.engine import GenerationResult
 from ensemble_llm.stopping import stop_list
@@ -38,7 +38,8 @@ _ROLES = {
     MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
     MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool",
 }
-_CALL_KEYS = {"tools", "tool_choice", "max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "stop"}
+_CALL_KEYS = {"tools", "tool_choice", "max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "stop",
+              "response_format", "trace"}
 
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
@@ -144,12 +145,12 @@ class EnsembleLLM(FunctionCallingLLM):
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def _request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, kwargs: dict[str, Any]) -> GenerationParams:
         unknown = set(kwargs) - _CALL_KEYS
         if unknown:
             raise TypeError(f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; "
                             f"it takes {sorted(_CALL_KEYS)}.")
-        return {
+        return GenerationParams(**{
             "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             "temperature": kwargs.get("temperature", self.temperature),
             "top_p": kwargs.get("top_p", self.top_p),
@@ -159,7 +160,9 @@ class EnsembleLLM(FunctionCallingLLM):
             "max_retries": self.max_retries,
             "tools": kwargs.get("tools"),
             "tool_choice": kwargs.get("tool_choice"),
-        }
+            "response_format": kwargs.get("response_format"),
+            "trace": bool(kwargs.get("trace", False)),
+        })
 
     def _raw(self, result: GenerationResult) -> dict[str, Any]:
         return {"usage": result.usage.to_dict(), "finish_reason": result.finish_reason, "model": self.model_name,
@@ -178,17 +181,17 @@ class EnsembleLLM(FunctionCallingLLM):
     # ---- chat ----------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self.engine.generate(self._messages(messages), **self._request(kwargs))
+        result = self.engine.generate(self._messages(messages), self._request(kwargs))
         return ChatResponse(message=self._reply(result), raw=self._raw(result))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = await self.engine.agenerate(self._messages(messages), **self._request(kwargs))
+        result = await self.engine.agenerate(self._messages(messages), self._request(kwargs))
         return ChatResponse(message=self._reply(result), raw=self._raw(result))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self.engine.stream(self._messages(messages), **self._request(kwargs))
+        stream = self.engine.stream(self._messages(messages), self._request(kwargs))
 
         def gen() -> Generator[ChatResponse, None, None]:
             text = ""
@@ -202,7 +205,7 @@ class EnsembleLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        stream = self.engine.astream(self._messages(messages), **self._request(kwargs))
+        stream = self.engine.astream(self._messages(messages), self._request(kwargs))
 
         async def gen() -> AsyncGenerator[ChatResponse, None]:
             text = ""
@@ -214,6 +217,26 @@ class EnsembleLLM(FunctionCallingLLM):
 
         return gen()
 
+    # ---- structured output: the reply constrained to the model's JSON Schema ---------------------
+    def _structured_messages(self, output_cls: type, prompt: Any, llm_kwargs: dict | None,
+                             prompt_args: dict) -> tuple[list[ChatMessage], dict]:
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        fmt = {"type": "json_schema", "json_schema": {"name": output_cls.__name__,
+                                                       "schema": output_cls.model_json_schema()}}
+        return messages, {**(llm_kwargs or {}), "response_format": fmt}
+
+    def structured_predict(self, output_cls: type, prompt: Any, llm_kwargs: Optional[Dict[str, Any]] = None,
+                           **prompt_args: Any) -> Any:
+        """An instance of `output_cls` (a pydantic model): the reply is constrained to its JSON
+        Schema (llguidance), so it always parses and validates, whatever the members write."""
+        messages, kwargs = self._structured_messages(output_cls, prompt, llm_kwargs, prompt_args)
+        return output_cls.model_validate_json(self.chat(messages, **kwargs).message.content)
+
+    async def astructured_predict(self, output_cls: type, prompt: Any, llm_kwargs: Optional[Dict[str, Any]] = None,
+                                  **prompt_args: Any) -> Any:
+        messages, kwargs = self._structured_messages(output_cls, prompt, llm_kwargs, prompt_args)
+        return output_cls.model_validate_json((await self.achat(messages, **kwargs)).message.content)
+
     # ---- complete (a single user turn through each member's chat template) -----------------
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if not formatted and self.completion_to_prompt is not None:
@@ -223,19 +246,19 @@ class EnsembleLLM(FunctionCallingLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
-        result = self.engine.generate(msgs, **self._request(kwargs))
+        result = self.engine.generate(msgs, self._request(kwargs))
         return CompletionResponse(text=result.text, raw=self._raw(result))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
-        result = await self.engine.agenerate(msgs, **self._request(kwargs))
+        result = await self.engine.agenerate(msgs, self._request(kwargs))
         return CompletionResponse(text=result.text, raw=self._raw(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
-        stream = self.engine.stream(msgs, **self._request(kwargs))
+        stream = self.engine.stream(msgs, self._request(kwargs))
 
         def gen() -> Generator[CompletionResponse, None, None]:
             text = ""
@@ -250,7 +273,7 @@ class EnsembleLLM(FunctionCallingLLM):
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
-        stream = self.engine.astream(msgs, **self._request(kwargs))
+        stream = self.engine.astream(msgs, self._request(kwargs))
 
         async def gen() -> AsyncGenerator[CompletionResponse, None]:
             text = ""

@@ -1,0 +1,158 @@
+"""`ensemble-llm bench-constraints`: grammar-constrained decoding measured per method.
+
+Two sections, every method on the same prompts, interleaved:
+- **forced calls**: each JSON Schema of the bundled corpus (`data/schemas.jsonl`: nested objects,
+  arrays, enums, anyOf/oneOf, optional fields, $ref, recursive models, strings that need
+  escapes, multi-line strings, bounded numbers, patterns) is the parameters of a tool the reply
+  must call (`tool_choice=<name>`); the call's arguments are validated with `jsonschema`. Per
+  call: time, output tokens, forward passes and prompt prefills per member, forced tokens.
+- **constraint cost**: the same prompts answered freely and with the schema as `response_format`;
+  time per output token of each, their ratio, and the share of the constrained time spent in the
+  matchers themselves.
+Writes results.json and results.md into the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import jsonschema
+
+from .bench import MethodSpec, _progress
+from .engine import Ensemble
+from .errors import ConfigError
+
+
+def load_schemas(n: int | None = None) -> list[dict]:
+    """The bundled schema corpus: [{"name", "prompt", "schema"}, ...] (the first n)."""
+    path = resources.files("ensemble_llm") / "data" / "schemas.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return rows if n is None else rows[:n]
+
+
+def _tool(row: dict) -> dict:
+    return {"type": "function", "function": {"name": row["name"], "description": row["prompt"],
+                                             "parameters": row["schema"]}}
+
+
+def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *, n_schemas: int | None = None,
+                         max_new_tokens: int = 160, cost_prompts: int = 8, device: str = "auto",
+                         progress: bool = True) -> dict:
+    schemas = load_schemas(n_schemas)
+    if not schemas:
+        raise ConfigError("no schemas to run: give --schemas >= 1")
+    engines = {s.label: Ensemble(list(s.members or models), s.method, s.config, device=device, progress=progress)
+               for s in methods}
+    for eng in engines.values():
+        eng.load()
+        eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
+        eng.generate("Say ok.", response_format={"type": "json_object"}, max_new_tokens=4)  # matchers built
+    cost_rows = schemas[:cost_prompts]
+    bar = _progress(len(engines) * (len(schemas) + 2 * len(cost_rows)), progress)
+    calls: dict[str, list[dict]] = {k: [] for k in engines}
+    t_start = time.perf_counter()
+    for row in schemas:
+        tool = _tool(row)
+        for key, eng in engines.items():
+            res = eng.generate(row["prompt"], tools=[tool], tool_choice=row["name"], max_new_tokens=max_new_tokens)
+            error = None
+            if res.finish_reason != "tool_calls":
+                error = f"no call ({res.finish_reason})"
+            else:
+                try:
+                    jsonschema.validate(res.tool_calls[0].arguments, row["schema"])
+                except jsonschema.ValidationError as exc:
+                    error = f"invalid: {exc.message}"
+            st = res.stats
+            calls[key].append({
+                "schema": row["name"], "valid": error is None, "error": error,
+                "arguments": res.tool_calls[0].arguments if res.tool_calls else None,
+                "time_s": st["time_s"], "tokens_out": st.get("tokens_out", 0), "forced": st.get("forced", 0),
+                "constraint_time_s": st.get("constraint_time_s", 0.0),
+                "forward_passes": {n: f["forward_passes"] for n, f in st["members"].items()},
+                "prefills": {n: f["prefills"] for n, f in st["members"].items()},
+            })
+            bar.update()
+            bar.set_postfix_str(f"calls: {key}")
+    cost: dict[str, dict[str, float]] = {k: {"free_s": 0.0, "free_tokens": 0, "json_s": 0.0, "json_tokens": 0,
+                                             "matcher_s": 0.0, "json_valid": 0} for k in engines}
+    for row in cost_rows:
+        fmt = {"type": "json_schema", "json_schema": {"name": row["name"], "schema": row["schema"]}}
+        for key, eng in engines.items():
+            free = eng.generate(row["prompt"], max_new_tokens=max_new_tokens)
+            bar.update()
+            constrained = eng.generate(row["prompt"], response_format=fmt, max_new_tokens=max_new_tokens)
+            bar.update()
+            c = cost[key]
+            c["free_s"] += free.stats["time_s"]
+            c["free_tokens"] += free.stats.get("tokens_out", 0)
+            c["json_s"] += constrained.stats["time_s"]
+            c["json_tokens"] += constrained.stats.get("tokens_out", 0)
+            c["matcher_s"] += constrained.stats.get("constraint_time_s", 0.0)
+            try:
+                jsonschema.validate(json.loads(constrained.text), row["schema"])
+                c["json_valid"] += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    bar.close()
+    results: dict[str, Any] = {"models": list(models), "schemas": len(schemas), "cost_prompts": len(cost_rows),
+                               "max_new_tokens": max_new_tokens,
+                               "wall_time_s": round(time.perf_counter() - t_start, 1), "methods": {}}
+    for key, rows in calls.items():
+        n = len(rows)
+        c = cost[key]
+        free_tok = c["free_s"] / max(1, c["free_tokens"])
+        json_tok = c["json_s"] / max(1, c["json_tokens"])
+        results["methods"][key] = {
+            "valid": sum(r["valid"] for r in rows), "calls": n,
+            "seconds_per_call": sum(r["time_s"] for r in rows) / n,
+            "tokens_per_call": sum(r["tokens_out"] for r in rows) / n,
+            "forced_fraction": sum(r["forced"] for r in rows) / max(1, sum(r["tokens_out"] for r in rows)),
+            "max_prefills_per_member": max(max(r["prefills"].values()) for r in rows),
+            "forward_passes_per_call": {m: sum(r["forward_passes"][m] for r in rows) / n for m in rows[0]["prefills"]},
+            "matcher_share_of_call_time": sum(r["constraint_time_s"] for r in rows) / max(1e-9, sum(r["time_s"] for r in rows)),
+            "free_time_per_token_s": free_tok, "json_time_per_token_s": json_tok,
+            "json_over_free": json_tok / free_tok if free_tok else None,
+            "matcher_share_of_json_time": c["matcher_s"] / max(1e-9, c["json_s"]),
+            "json_valid": c["json_valid"], "failures": [r for r in rows if not r["valid"]],
+            "calls_detail": rows,
+        }
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# ensemble-llm bench-constraints: {', '.join(results['models'])}", "",
+             f"{results['schemas']} JSON Schemas as forced tool calls, {results['cost_prompts']} of them also as "
+             f"`response_format` against the same prompt answered freely; budget {results['max_new_tokens']} tokens; "
+             f"whole run {results['wall_time_s'] / 60:.1f} min.", "",
+             *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
+             "| method | valid calls | s/call | tokens/call | forced | prefills/member | fwd/call | "
+             "matcher share | s/token free | s/token JSON | JSON / free | JSON valid |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results["methods"].items():
+        fwd = ", ".join(f"{v:.1f}" for v in r["forward_passes_per_call"].values())
+        ratio = "" if r["json_over_free"] is None else f"{r['json_over_free']:.2f}"
+        lines.append(f"| {key} | {r['valid']}/{r['calls']} | {r['seconds_per_call']:.2f} | {r['tokens_per_call']:.1f} | "
+                     f"{r['forced_fraction']:.0%} | {r['max_prefills_per_member']} | {fwd} | "
+                     f"{r['matcher_share_of_call_time']:.1%} | {r['free_time_per_token_s']:.4f} | "
+                     f"{r['json_time_per_token_s']:.4f} | {ratio} | {r['json_valid']}/{results['cost_prompts']} |")
+    lines += ["", "valid calls: the call's arguments validate against the schema (`jsonschema`). forced: share of "
+              "output tokens the grammar forced (written without sampling). prefills/member: the most prompt "
+              "prefills any member ran for one call. fwd/call: forward passes per call, one figure per member. "
+              "matcher share: time inside the llguidance matchers over the request's time. s/token JSON / free: "
+              "time per output token with the schema as `response_format` and without it, same prompts."]
+    failures = [(k, f) for k, r in results["methods"].items() for f in r["failures"]]
+    if failures:
+        lines += ["", "Failures:", ""] + [f"- {k} / {f['schema']}: {f['error']}" for k, f in failures]
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(markdown(results))
+    return [out / "results.json", out / "results.md"]

@@ -1,0 +1,509 @@
+"""Grammar constraints on what the ensemble writes (JSON Schema, any JSON object, regex, a choice
+list, a Lark grammar), matched by llguidance.
+
+`Constraint` is the request-side value (frozen, hashable, checked once before queueing). A method
+run gets a `Guide`: the constraint's matchers for that run, which the method consults when it picks
+a token, a union key or a byte, and which follow whatever text the method commits or rolls back:
+
+- token level (`mask_row`, `forced_tokens`): one llguidance matcher per member tokenizer; it
+  masks a member's next-token row (single, the unite primary, the SAFE drafter, every SpecFuse
+  drafter) and gives the tokens the grammar forces, which the method writes without sampling;
+- byte level (`allows`, `byte_mask`, `forced_bytes`): one matcher over a 256-byte vocabulary (+
+  end), which filters unite/SAFE union keys by the bytes they spell and gives SMC the allowed
+  next bytes.
+
+Every matcher *mirrors* a sequence the method hands it (a member's generated ids, the committed
+bytes): it rolls back to the common prefix and consumes the rest, so rollback in SAFE, re-sync
+in SpecFuse and particles in SMC need no bookkeeping of their own. Rejected input never enters
+a matcher (llguidance's `try_consume_tokens`), so a matcher never falls into its error state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .errors import RequestError
+
+END = 256  # the byte vocabulary's end-of-text slot (EOS)
+HEAL_TOP = 32  # forbidden tokens (the likeliest of a row) whose mass goes to their valid prefix
+# the JSON the constrained members write: json.dumps's default separators, no free whitespace
+# (free whitespace lets a small model pad forever; fixed separators are forced, not sampled)
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+
+_BYTE_TOKENIZER = None
+_LOCK = threading.Lock()
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as exc:  # a declared dependency; only a broken install lacks it
+        raise RequestError("grammar constraints need the llguidance package: pip install llguidance") from exc
+    return llguidance
+
+
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes, plus an end token (what llguidance wraps)."""
+
+    eos_token_id = END
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b""]
+    special_token_ids = [END]
+
+    def __call__(self, text):
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
+
+def byte_tokenizer():
+    global _BYTE_TOKENIZER
+    with _LOCK:
+        if _BYTE_TOKENIZER is None:
+            llg = _llguidance()
+            _BYTE_TOKENIZER = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()))
+        return _BYTE_TOKENIZER
+
+
+def member_tokenizer(member) -> Any:
+    """The llguidance view of a member's tokenizer, built once per member (owned by its Vocab:
+    about 0.1 s for SmolLM2's 49k vocabulary and 0.9 s for Gemma's 262k here)."""
+    return member.vocab.guidance_tokenizer()
+
+
+def _refs_cycle(schema: Any) -> str | None:
+    """A `$ref` chain that leads back to itself before any JSON is written (`A -> A`, `A -> B
+    -> A`), at the root or in any definition: such a definition has no instance at all. Returns
+    the chain, or None."""
+    if not isinstance(schema, dict):
+        return None
+    defs = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            defs.update({f"#/{key}/{k}": v for k, v in schema[key].items()})
+
+    def pure_ref(node: Any) -> str | None:  # a node that only refers elsewhere (annotations aside)
+        if not isinstance(node, dict) or not isinstance(node.get("$ref"), str):
+            return None
+        rest = set(node) - {"$ref", "$defs", "definitions", "description", "title", "$comment"}
+        return None if rest else node["$ref"]
+
+    for start in [schema, *defs.values()]:
+        seen: list[str] = []
+        ref = pure_ref(start)
+        while ref is not None:
+            if ref in seen:
+                return " -> ".join(seen + [ref])
+            seen.append(ref)
+            ref = pure_ref(defs.get(ref))
+    return None
+
+
+SAFE_INT = 2**53 - 1  # I-JSON (RFC 7493): integers every JSON parser reads exactly
+
+
+def _bounded(schema: Any) -> Any:
+    """A copy of `schema` that a small model cannot extend until its budget runs out:
+    - an integer without bounds gets the I-JSON range (no value a parser reads exactly is lost);
+    - an object that lists its `properties` and says nothing about others is closed
+      (`additionalProperties: false`, as in OpenAI's strict mode): the keys are the listed ones."""
+    if isinstance(schema, list):
+        return [_bounded(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas") and isinstance(v, dict):
+            out[k] = {name: _bounded(sub) for name, sub in v.items()}  # a map of names to schemas
+        elif k in ("enum", "const", "default", "examples", "required"):
+            out[k] = v  # values, not schemas
+        else:
+            out[k] = _bounded(v)
+    if isinstance(schema.get("properties"), dict) and not any(
+            k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    kinds = schema.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INT
+    return out
+
+
+def styled(schema: dict) -> dict:
+    """What llguidance compiles for a JSON Schema: integers bounded (`_bounded`) and the fixed
+    JSON style."""
+    out = _bounded(schema)
+    out["x-guidance"] = {**JSON_STYLE, **(schema.get("x-guidance") or {})}
+    return out
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the reply must match. Build one with a classmethod (`json_schema`, `json_object`,
+    `regex`, `choice`, `lark`) or from an OpenAI `response_format` (`from_response_format`)."""
+
+    kind: str
+    source: str  # the schema as JSON text, the pattern, the options as JSON, the Lark text
+    grammar: str  # llguidance's grammar text
+
+    # ---- builders ------------------------------------------------------------------------
+    @classmethod
+    def json_schema(cls, schema: Any) -> "Constraint":
+        """A JSON document valid under `schema` (a dict, or its JSON text)."""
+        import jsonschema
+
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise RequestError(f"the JSON Schema is not valid JSON ({exc}); pass a dict or JSON text.") from None
+        if not isinstance(schema, dict):
+            raise RequestError(f"a JSON Schema must be a dict (JSON object), got {type(schema).__name__}")
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+            raise RequestError(f"not a valid JSON Schema at {where}: {exc.message}") from None
+        cycle = _refs_cycle(schema)
+        if cycle:
+            raise RequestError(f"the JSON Schema's $ref chain {cycle} refers back to itself, so no JSON value "
+                               "matches it; give the definition a type or properties.")
+        llg = _llguidance()
+        return cls("json_schema", json.dumps(schema, sort_keys=True),
+                   llg.LLMatcher.grammar_from_json_schema(styled(schema)))
+
+    @classmethod
+    def json_object(cls) -> "Constraint":
+        """Any JSON object (OpenAI's `json_object` mode)."""
+        return cls.json_schema({"type": "object"})._replace_kind("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Constraint":
+        if not isinstance(pattern, str) or not pattern:
+            raise RequestError(f"a regex constraint needs a non-empty pattern string, got {pattern!r}")
+        return cls("regex", pattern, _llguidance().LLMatcher.grammar_from_regex(pattern))
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> "Constraint":
+        if isinstance(options, str) or not isinstance(options, (list, tuple)) or not options \
+                or not all(isinstance(o, str) and o for o in options):
+            raise RequestError(f"a choice constraint needs a list of non-empty strings, got {options!r}")
+        pattern = "|".join(re.escape(o) for o in options)
+        return cls("choice", json.dumps(list(options)), _llguidance().LLMatcher.grammar_from_regex(f"({pattern})"))
+
+    @classmethod
+    def lark(cls, grammar: str) -> "Constraint":
+        """A Lark grammar in llguidance's dialect (`start: ...`; `%json {schema}` embeds a schema)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise RequestError(f"a Lark constraint needs the grammar text, got {grammar!r}")
+        return cls("lark", grammar, _llguidance().LLMatcher.grammar_from_lark(grammar))
+
+    @classmethod
+    def from_response_format(cls, response_format: Any) -> "Constraint | None":
+        """OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"} or {"type":
+        "json_schema", "json_schema": {"name": ..., "schema": {...}}}; also a Constraint."""
+        if response_format is None or isinstance(response_format, Constraint):
+            return response_format
+        if not isinstance(response_format, dict) or "type" not in response_format:
+            raise RequestError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, "
+                               f"got {response_format!r}")
+        kind = response_format["type"]
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise RequestError("response_format {'type': 'json_schema'} needs 'json_schema': {'name': ..., "
+                                   f"'schema': {{...}}}}, got {spec!r}")
+            return cls.json_schema(spec["schema"])
+        raise RequestError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
+                           "'json_schema'.")
+
+    def _replace_kind(self, kind: str) -> "Constraint":
+        return Constraint(kind, self.source, self.grammar)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Compile the grammar and compute its first mask, with no model: a grammar llguidance
+        refuses, or one that allows no output at all, is a RequestError now, before queueing."""
+        m = self.byte_matcher()
+        if not m.is_error():
+            m.compute_bitmask()
+        if m.is_error():
+            raise RequestError(f"the {self.kind} constraint cannot be used: {_first_line(m.get_error())}")
+
+    def byte_matcher(self):
+        return _llguidance().LLMatcher(byte_tokenizer(), self.grammar, log_level=0)
+
+    def matches(self, text: str) -> bool:
+        """Whether `text` is a complete match (used to check outputs)."""
+        m = self.byte_matcher()
+        data = list(text.encode("utf-8"))
+        return m.try_consume_tokens(data) == len(data) and m.is_accepting()
+
+    def __repr__(self) -> str:
+        src = self.source if len(self.source) < 60 else self.source[:57] + "..."
+        return f"Constraint.{self.kind}({src})"
+
+
+def _first_line(error: str) -> str:
+    line = (error or "unknown error").strip().splitlines()[0]
+    if line in ("NoExtension", "NoExtensionBias") or line.startswith("<state>"):
+        return "the grammar allows no output at all (an empty choice, or a rule that only refers to itself)"
+    found = re.match(r"Pointer '(.*)' does not exist", line)
+    if found:
+        return f"a $ref points to '#{found.group(1)}', which does not exist; define it under $defs or fix the $ref"
+    return line
+
+
+class _Mirror:
+    """An llguidance matcher kept equal to a sequence of tokens handed to it (see module doc)."""
+
+    def __init__(self, matcher, width: int) -> None:
+        self.m = matcher
+        self.width = width  # rows of the mask (the vocabulary the ids index)
+        self.seq: list[int] = []
+
+    def sync(self, seq: Sequence[int]) -> bool:
+        """Make the matcher's input equal `seq`; False (matcher left at the longest valid prefix)
+        when `seq` is not allowed."""
+        seq = list(seq)
+        p, n = 0, min(len(seq), len(self.seq))
+        while p < n and seq[p] == self.seq[p]:
+            p += 1
+        if p < len(self.seq):
+            self.m.rollback(len(self.seq) - p)
+            del self.seq[p:]
+        rest = seq[p:]
+        if not rest:
+            return True
+        took = self.m.try_consume_tokens(rest)
+        self.seq.extend(rest[:took])
+        return took == len(rest)
+
+    def mask(self) -> np.ndarray:
+        """Allowed next ids as a bool array of `width` entries."""
+        bits = np.unpackbits(np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        out = np.zeros(self.width, dtype=bool)
+        n = min(self.width, len(bits))
+        out[:n] = bits[:n]
+        return out
+
+
+def _timed(fn):
+    """Adds the call's time to the guide's `seconds`."""
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
+
+
+class Guide:
+    """One method run's view of a constraint (see the module doc). `members` are the run's
+    members; matchers are built on first use."""
+
+    def __init__(self, constraint: Constraint, members: Sequence[Any]) -> None:
+        self.constraint = constraint
+        self.members = list(members)
+        self._bytes = _Mirror(constraint.byte_matcher(), END + 1)
+        self._tokens: dict[int, _Mirror] = {}
+        self.masked_rows = 0  # token rows masked (figures for stats)
+        self.forced = 0  # tokens or bytes written without sampling
+        self.seconds = 0.0  # time spent in the matchers (the constraint's own cost)
+        self.healed = 0  # forbidden tokens whose mass went to their longest valid prefix
+        self.merged = 0  # allowed tokens whose mass went to the token spelling them + forced bytes
+
+    # ---- byte level (unite / SAFE union keys, SMC) ---------------------------------------------
+    @_timed
+    def allows(self, text: bytes, key: bytes | None) -> bool:
+        """Whether the committed bytes `text` may continue with `key` (None: end the reply)."""
+        if not self._bytes.sync(text):
+            return False
+        if key is None:
+            return self._bytes.m.is_accepting()
+        return self._bytes.m.validate_tokens(list(key)) == len(key)
+
+    def key_mask(self, text: bytes, keys: Sequence[bytes | None]) -> torch.Tensor:
+        """Which union keys (byte strings; None = end of reply) may follow `text`: bool[len(keys)]."""
+        return torch.tensor([self.allows(text, k) for k in keys], dtype=torch.bool)
+
+    @_timed
+    def valid_prefix(self, text: bytes, data: bytes) -> int:
+        """How many of the bytes `data` the grammar allows after `text`."""
+        if not self._bytes.sync(text):
+            return 0
+        return self._bytes.m.validate_tokens(list(data))
+
+    def key_logprobs(self, text: bytes, keys: Sequence[bytes | None], logp: torch.Tensor) -> torch.Tensor | None:
+        """Union-key log-probs after `text` restricted to the grammar (None when no key is
+        allowed), each forbidden key's mass moved to the allowed key that spells its longest valid
+        prefix (see `mask_row`)."""
+        ok = self.key_mask(text, keys)
+        if not bool(ok.any()):
+            return None
+        out = logp.masked_fill(~ok, float("-inf"))
+        where = {k: j for j, k in enumerate(keys) if k is not None and bool(ok[j])}
+        for j, k in enumerate(keys):
+            if bool(ok[j]) or k is None or not math.isfinite(float(logp[j])):
+                continue
+            n = self.valid_prefix(text, k)
+            if 0 < n < len(k) and k[:n] in where:
+                t = where[k[:n]]
+                out[t] = torch.logaddexp(out[t], logp[j])
+                self.healed += 1
+        for k, j in sorted(where.items(), key=lambda kv: len(kv[0])):  # short keys first: chains merge onward
+            heir = self._forced_heir(text, k, where)
+            if heir is not None and math.isfinite(float(out[j])):
+                out[heir] = torch.logaddexp(out[heir], out[j])
+                out[j] = float("-inf")
+                self.merged += 1
+        return out
+
+    def _forced_heir(self, text: bytes, key: bytes, candidates: dict[bytes, Any]) -> Any:
+        """When the grammar forces bytes right after `key` (' ' then '"' before a JSON string),
+        `key` and the longest candidate spelling `key` + a prefix of those bytes (' "') are one
+        continuation: the candidate is returned so the two masses merge there. Writing the short
+        one would split the text into tokens the models rarely saw (' ', '"') and derail them."""
+        if not self._bytes.sync(text + key):
+            return None
+        forced = bytes(self._bytes.m.compute_ff_bytes())
+        if not forced:
+            return None
+        best = None
+        for n in range(len(forced), 0, -1):
+            if key + forced[:n] in candidates:
+                best = candidates[key + forced[:n]]
+                break
+        return best
+
+    @_timed
+    def byte_mask(self, text: bytes) -> np.ndarray:
+        """Allowed next bytes after `text`: bool[257], slot 256 = end of reply."""
+        if not self._bytes.sync(text):
+            return np.zeros(END + 1, dtype=bool)
+        return self._bytes.mask()
+
+    @_timed
+    def forced_bytes(self, text: bytes) -> bytes:
+        """The bytes the grammar forces after `text` (b"" when it leaves a choice)."""
+        if not self._bytes.sync(text):
+            return b""
+        return bytes(self._bytes.m.compute_ff_bytes())
+
+    @_timed
+    def accepting(self, text: bytes) -> bool:
+        return self._bytes.sync(text) and self._bytes.m.is_accepting()
+
+    @_timed
+    def complete(self, text: bytes) -> bool:
+        """Whether `text` is a full match after which the grammar allows nothing but the end."""
+        return self._bytes.sync(text) and self._bytes.m.is_stopped()
+
+    # ---- token level (member rows) --------------------------------------------------------
+    def _mirror(self, i: int) -> _Mirror:
+        if i not in self._tokens:
+            member = self.members[i]
+            llg = _llguidance()
+            self._tokens[i] = _Mirror(llg.LLMatcher(member_tokenizer(member), self.constraint.grammar, log_level=0),
+                                      member.vocab_size)
+        return self._tokens[i]
+
+    @_timed
+    def token_mask(self, i: int, ids: Sequence[int]) -> np.ndarray:
+        """Allowed next tokens of member i after its generated `ids`: bool[vocab]."""
+        return self._token_mask(i, ids)
+
+    def _token_mask(self, i: int, ids: Sequence[int]) -> np.ndarray:
+        mirror = self._mirror(i)
+        if not mirror.sync(ids):
+            return np.zeros(mirror.width, dtype=bool)
+        return mirror.mask()
+
+    @_timed
+    def mask_row(self, i: int, ids: Sequence[int], row: torch.Tensor) -> torch.Tensor:
+        """Member i's next-token log-probs after `ids` with every token the grammar forbids at
+        -inf (a copy). With no allowed token left, the member's EOS ids stay allowed.
+
+        Prefix mass: a forbidden token can start right and only run past the grammar: after
+        `{"input": 3` a model that means "end the number" puts its mass on `}},` (forbidden: the
+        call ends with `}}` then a newline), and masking alone would hand the choice to `0` and
+        write 300. Each of the row's `HEAL_TOP` likeliest forbidden tokens therefore lends its
+        probability to the allowed token that spells its longest valid prefix (`}}`), when there
+        is one: the token-level estimate of the model's probability of those bytes coming next."""
+        self.masked_rows += 1
+        member = self.members[i]
+        allowed = torch.from_numpy(self._token_mask(i, ids)[: row.shape[-1]])
+        if not bool(allowed.any()):
+            allowed = torch.zeros_like(allowed)
+            allowed[list(member.eos_ids)] = True
+        out = row.masked_fill(~allowed.to(row.device), float("-inf"))
+        vb, index, special = member.vocab_bytes, member.vocab.index().by_bytes, member.special_ids
+        text = None
+        values, tokens = torch.topk(row, min(HEAL_TOP, row.shape[-1]))
+        for v, t in zip(values.tolist(), tokens.tolist()):
+            if allowed[t] or t in special or not math.isfinite(v) or not vb[t]:
+                continue
+            if text is None:
+                text = b"".join(vb[x] for x in ids)
+            d = vb[t]
+            n = self._bytes.m.validate_tokens(list(d)) if self._bytes.sync(text) else 0
+            heir = index.get(d[:n]) if 0 < n < len(d) else None
+            if heir is not None and heir < len(allowed) and allowed[heir]:
+                out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
+                self.healed += 1
+        # an allowed token after which the grammar forces more bytes lends its mass to the allowed
+        # token spelling both (see `_forced_heir`)
+        values, tokens = torch.topk(out, min(HEAL_TOP, out.shape[-1]))
+        if text is None:
+            text = b"".join(vb[x] for x in ids)
+        for v, t in zip(values.tolist(), tokens.tolist()):
+            if not math.isfinite(v) or t in special or not vb[t]:
+                continue
+            heir = self._forced_heir(text, vb[t], index)
+            if heir is not None and heir != t and heir < len(allowed) and allowed[heir]:
+                out[heir] = torch.logaddexp(out[heir], out[t])
+                out[t] = float("-inf")
+                self.merged += 1
+        return out
+
+    @_timed
+    def forced_tokens(self, i: int, ids: Sequence[int]) -> list[int]:
+        """Tokens of member i the grammar forces after `ids` (its tokenization of the forced bytes)."""
+        mirror = self._mirror(i)
+        if not mirror.sync(ids):
+            return []
+        return list(mirror.m.compute_ff_tokens())
+
+    @_timed
+    def token_done(self, i: int, ids: Sequence[int]) -> bool:
+        """Whether member i's `ids` complete the grammar, which then allows nothing but the end."""
+        mirror = self._mirror(i)
+        return mirror.sync(ids) and mirror.m.is_stopped()
+
+    @_timed
+    def token_allows(self, i: int, ids: Sequence[int], more: Sequence[int]) -> int:
+        """How many of `more` member i may write after `ids`."""
+        mirror = self._mirror(i)
+        if not mirror.sync(ids):
+            return 0
+        return mirror.m.validate_tokens(list(more))
+
+    def stats(self) -> dict[str, Any]:
+        return {"constraint": self.constraint.kind, "masked_rows": self.masked_rows, "forced": self.forced,
+                "healed": self.healed, "merged": self.merged, "constraint_time_s": round(self.seconds, 4)}
