@@ -40,7 +40,7 @@ def _tool(row: dict) -> dict:
 
 
 def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *, n_schemas: int | None = None,
-                         max_new_tokens: int = 160, cost_prompts: int = 8, device: str = "auto",
+                         max_new_tokens: int = 160, cost_prompts: int = 6, cost_tokens: int = 48, device: str = "auto",
                          progress: bool = True) -> dict:
     schemas = load_schemas(n_schemas)
     if not schemas:
@@ -83,9 +83,9 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
     for row in cost_rows:
         fmt = {"type": "json_schema", "json_schema": {"name": row["name"], "schema": row["schema"]}}
         for key, eng in engines.items():
-            free = eng.generate(row["prompt"], max_new_tokens=max_new_tokens)
+            free = eng.generate(row["prompt"], max_new_tokens=cost_tokens)
             bar.update()
-            constrained = eng.generate(row["prompt"], response_format=fmt, max_new_tokens=max_new_tokens)
+            constrained = eng.generate(row["prompt"], response_format=fmt, max_new_tokens=cost_tokens)
             bar.update()
             c = cost[key]
             c["free_s"] += free.stats["time_s"]
@@ -93,14 +93,14 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
             c["json_s"] += constrained.stats["time_s"]
             c["json_tokens"] += constrained.stats.get("tokens_out", 0)
             c["matcher_s"] += constrained.stats.get("constraint_time_s", 0.0)
-            try:
+            try:  # within cost_tokens a long document may be cut (finish_reason "length")
                 jsonschema.validate(json.loads(constrained.text), row["schema"])
                 c["json_valid"] += 1
             except (ValueError, jsonschema.ValidationError):
                 pass
     bar.close()
     results: dict[str, Any] = {"models": list(models), "schemas": len(schemas), "cost_prompts": len(cost_rows),
-                               "max_new_tokens": max_new_tokens,
+                               "max_new_tokens": max_new_tokens, "cost_tokens": cost_tokens,
                                "wall_time_s": round(time.perf_counter() - t_start, 1), "methods": {}}
     for key, rows in calls.items():
         n = len(rows)
@@ -127,7 +127,8 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
 def markdown(results: dict) -> str:
     lines = [f"# ensemble-llm bench-constraints: {', '.join(results['models'])}", "",
              f"{results['schemas']} JSON Schemas as forced tool calls, {results['cost_prompts']} of them also as "
-             f"`response_format` against the same prompt answered freely; budget {results['max_new_tokens']} tokens; "
+             f"`response_format` against the same prompt answered freely ({results['cost_tokens']} tokens each); call "
+             f"budget {results['max_new_tokens']} tokens; "
              f"whole run {results['wall_time_s'] / 60:.1f} min.", "",
              *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
              "| method | valid calls | s/call | tokens/call | forced | prefills/member | fwd/call | "

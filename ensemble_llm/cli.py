@@ -115,7 +115,8 @@ def _cmd_bench_constraints(args) -> int:
         specs = parse_methods(args.methods, len(models))
         t0 = time.perf_counter()
         results = run_constraint_bench(models, specs, n_schemas=args.schemas, max_new_tokens=args.max_new_tokens,
-                                       cost_prompts=args.cost_prompts, device=args.device, progress=not args.quiet)
+                                       cost_prompts=args.cost_prompts, cost_tokens=args.cost_tokens, device=args.device,
+                                       progress=not args.quiet)
         results["command"] = "ensemble-llm " + " ".join(shlex.quote(a) for a in args.argv)
         paths = write(results, Path(args.out))
     except EnsembleError as exc:
@@ -179,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with jsonschema), and answers prompts freely and with the schema as "
                                    "response_format (the constraint's cost per token).")
     c.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
-    c.add_argument("--methods", nargs="+", default=["single", "unite", "safe", "specfuse", "smc:n_particles=4"])
+    c.add_argument("--methods", nargs="+", default=["single", "unite", "safe", "specfuse", "smc:n_particles=2"])
     c.add_argument("--schemas", type=int, default=None, help="the first N schemas of the corpus (default: all 32)")
-    c.add_argument("--cost-prompts", type=int, default=8, help="schemas also run free vs response_format")
+    c.add_argument("--cost-prompts", type=int, default=6, help="schemas also run free vs response_format")
+    c.add_argument("--cost-tokens", type=int, default=48, help="budget of each free / response_format answer")
     c.add_argument("--max-new-tokens", type=int, default=160)
     c.add_argument("--device", default="auto")
     c.add_argument("--out", default="bench-constraints")

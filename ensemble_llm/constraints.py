@@ -139,10 +139,59 @@ def _bounded(schema: Any) -> Any:
     return out
 
 
+_REF_ONLY = {"$ref", "$defs", "definitions", "description", "title", "$comment"}
+MAX_RECURSION = 4  # levels of a recursive definition (a tree's child, a list's next) a reply may nest
+
+
+def _unrolled(schema: dict, depth: int = MAX_RECURSION) -> dict:
+    """A copy of `schema` with its local `$ref`s inlined, where an `anyOf`/`oneOf` alternative that
+    would enter a definition already open `depth` times on the way down is dropped (the other
+    alternatives, typically `null`, stay). Small models otherwise nest a recursive model
+    (`child: Optional[Node]`) until their budget runs out; this is the bound other grammar
+    engines call a maximum recursion depth. A $ref that has no alternative to fall back on is
+    kept as it is (its `$defs` stay in the root)."""
+    defs = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            defs.update({f"#/{key}/{k}": v for k, v in schema[key].items()})
+    if not defs:
+        return schema
+
+    def walk(node: Any, open_: dict[str, int]) -> Any:
+        if isinstance(node, list):
+            return [walk(x, open_) for x in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in defs and not set(node) - _REF_ONLY:
+            if open_.get(ref, 0) >= depth:
+                return node
+            inner = walk(defs[ref], {**open_, ref: open_.get(ref, 0) + 1})
+            kept = {k: node[k] for k in ("$defs", "definitions") if k in node}  # the root keeps its definitions
+            return {**inner, **kept} if isinstance(inner, dict) else inner
+        out = {}
+        for k, v in node.items():
+            if k in ("$defs", "definitions"):
+                out[k] = v
+            elif k in ("anyOf", "oneOf") and isinstance(v, list):
+                kept = [x for x in v if not (isinstance(x, dict) and x.get("$ref") in defs and not set(x) - _REF_ONLY
+                                             and open_.get(x["$ref"], 0) >= depth)]
+                out[k] = walk(kept or v, open_)
+            elif k in ("properties", "patternProperties", "dependentSchemas") and isinstance(v, dict):
+                out[k] = {name: walk(sub, open_) for name, sub in v.items()}
+            elif k in ("enum", "const", "default", "examples", "required"):
+                out[k] = v
+            else:
+                out[k] = walk(v, open_)
+        return out
+
+    return walk(schema, {})
+
+
 def styled(schema: dict) -> dict:
-    """What llguidance compiles for a JSON Schema: integers bounded (`_bounded`) and the fixed
-    JSON style."""
-    out = _bounded(schema)
+    """What llguidance compiles for a JSON Schema: recursion bounded (`_unrolled`), integers
+    bounded and objects closed (`_bounded`), and the fixed JSON style."""
+    out = _bounded(_unrolled(schema))
     out["x-guidance"] = {**JSON_STYLE, **(schema.get("x-guidance") or {})}
     return out
 
