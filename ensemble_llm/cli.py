@@ -1,4 +1,4 @@
-"""`ensemble-llm`: generate | models list | models pull | bench | bench-constraints."""
+"""`ensemble-llm`: generate | models list | models pull | bench | bench-constraints | serve."""
 
 from __future__ import annotations
 
@@ -128,6 +128,27 @@ def _cmd_bench_constraints(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from . import EnsembleError
+
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "prometheus_client")):
+        print("error: serving needs the serve extra: pip install \"ensemble-llm[serve]\"", file=sys.stderr)
+        return 2
+    from .serve import serve
+
+    models = args.models.split(",") if args.models else None
+    try:
+        print(f"[ensemble-llm] loading; then serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        serve(models, args.method, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+              device=args.device)
+    except EnsembleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 from .bench import DEFAULT_METHODS, DEFAULT_TASKS  # noqa: E402  (light: no model code runs at import)
 
 
@@ -189,6 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="bench-constraints")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_bench_constraints)
+    sv = sub.add_parser("serve", help="serve the ensemble over an OpenAI-compatible HTTP API",
+                        description="POST /v1/chat/completions and /v1/completions (streams as server-sent "
+                                    "events), GET /v1/models, /health and /metrics. Binds to 127.0.0.1 unless told.")
+    sv.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    sv.add_argument("--method", default=None, help="default: safe for 2+ members, else single")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting or running before 429")
+    sv.add_argument("--device", default="auto")
+    sv.set_defaults(func=_cmd_serve)
     return p
 
 

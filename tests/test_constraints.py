@@ -359,3 +359,24 @@ def test_a_token_the_grammar_must_extend_lends_its_mass_to_the_longer_token(tiny
     assert out[by[b" "]].item() == -math.inf and guide.merged >= 1
     kl = guide.key_logprobs(b'{"a":', [b" ", b' "'], torch.tensor([-0.5, -2.0]))
     assert kl[0].item() == -math.inf and kl[1].item() == pytest.approx(math.log(math.exp(-0.5) + math.exp(-2.0)), abs=1e-5)
+
+
+def test_recursive_definitions_are_bounded_only_where_an_alternative_remains():
+    node = {"$defs": {"Node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
+        "required": ["name", "child"]}}, "$ref": "#/$defs/Node"}
+    c = Constraint.json_schema(node)
+
+    def tree(depth):
+        out = None
+        for i in range(depth):
+            out = {"name": str(i), "child": out}
+        return json.dumps(out)
+
+    from ensemble_llm.constraints import MAX_RECURSION
+    assert all(c.matches(tree(d)) for d in range(1, MAX_RECURSION + 1))
+    assert not c.matches(tree(MAX_RECURSION + 1))
+    # a recursion with no alternative to stop on is left as it is (no instance is lost to the bound)
+    chain = {"$defs": {"A": {"type": "array", "items": {"$ref": "#/$defs/A"}}}, "$ref": "#/$defs/A"}
+    deep = "[[[[[[[]]]]]]]"
+    assert Constraint.json_schema(chain).matches(deep)

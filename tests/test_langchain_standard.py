@@ -24,15 +24,6 @@ class TestEnsembleLLMUnit(ChatModelUnitTests):
     def chat_model_params(self):
         return {"members": PAIR, "method": "safe", "progress": False}
 
-    @property
-    def standard_chat_model_params(self):
-        # LangChain's defaults include api_key, which only a client of a served ensemble would
-        # use: EnsembleLLM rejects unknown arguments by name instead of ignoring them.
-        # max_retries is accepted (it retries a GenerationError within the same timeout).
-        params = dict(super().standard_chat_model_params)
-        params.pop("api_key", None)
-        return params
-
 
 @pytest.mark.real
 class TestEnsembleLLMIntegration(ChatModelIntegrationTests):

@@ -30,9 +30,10 @@ from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.runnables import RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ensemble_llm import Ensemble, GenerationParams
+from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.chat import check_tool_choice, content_text
 from ensemble_llm.engine import GenerationResult
 from ensemble_llm.stopping import stop_list
@@ -133,17 +134,27 @@ class EnsembleLLM(BaseChatModel):
     """Times a call that failed inside generation (`ensemble_llm.GenerationError`) is run again,
     within the same `timeout`, when no text had been streamed yet."""
     streaming: bool = False
-    engine: Ensemble | None = Field(default=None, exclude=True)
-    """An existing engine to share; its members and method win over the fields above."""
+    base_url: str | None = None
+    """Client mode: the URL of a served ensemble (`ensemble-llm serve`), e.g.
+    "http://127.0.0.1:8000/v1"; nothing loads here, and `max_retries` retries transport failures."""
+    api_key: SecretStr | None = None
+    """The served ensemble's API key (client mode); accepted and unused in process."""
+    engine: Any = Field(default=None, exclude=True)
+    """An existing engine to share (an `ensemble_llm.Ensemble`); its members and method win over
+    the fields above."""
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
-        # Ensemble validates members, method, config and devices and names the bad one
-        self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
-                                               device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
-                                               trust_remote_code=self.trust_remote_code, progress=self.progress)
-        self.members = self.engine.model_names
-        self.method = self.engine.method_name
+        if self.base_url is not None:  # client mode: the engine is the server's
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self.engine = RemoteEnsemble(self.base_url, key, max_retries=self.max_retries, timeout=self.timeout)
+        else:
+            # Ensemble validates members, method, config and devices and names the bad one
+            self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
+                                                   device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
+                                                   trust_remote_code=self.trust_remote_code, progress=self.progress)
+            self.members = self.engine.model_names
+            self.method = self.engine.method_name
         if self.profile is None:
             self.profile = {"tool_calling": True, "tool_choice": True, "structured_output": True,
                             "text_inputs": True, "text_outputs": True, "temperature": True}
@@ -152,6 +163,8 @@ class EnsembleLLM(BaseChatModel):
     # ---- identity ------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
+        if self.base_url is not None:
+            return f"ensemble-llm@{self.base_url}"
         return f"{self.method}:{'+'.join(self.members or [])}"
 
     @property
@@ -160,7 +173,8 @@ class EnsembleLLM(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"members": self.members, "method": self.method, "config": repr(self.engine.config),
+        return {"members": self.members, "method": self.method, "config": repr(getattr(self.engine, "config", None)),
+                "base_url": self.base_url,
                 "temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -175,6 +189,8 @@ class EnsembleLLM(BaseChatModel):
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of `text` in the main member's tokenizer (loads the members)."""
+        if self.base_url is not None:  # client mode: the members' tokenizers are on the server
+            return list(text.encode("utf-8"))  # an upper bound: one id per UTF-8 byte
         members = self.engine.members
         return members[self.engine.member_weights("chat")[1]].encode(text)
 
@@ -211,6 +227,8 @@ class EnsembleLLM(BaseChatModel):
         if schema is not None:
             if is_model:  # pydantic 2, or a pydantic.v1 model
                 json_schema = schema.model_json_schema() if hasattr(schema, "model_json_schema") else schema.schema()
+            elif isinstance(schema, dict) and "title" not in schema and ("properties" in schema or "type" in schema):
+                json_schema = schema  # a plain JSON Schema (LangChain's converter wants a title to name a function)
             else:
                 json_schema = convert_to_json_schema(schema)
             name = json_schema.get("title") or "response"
@@ -245,7 +263,7 @@ class EnsembleLLM(BaseChatModel):
             "seed": kwargs.get("seed", self.seed),
             "stop": stops,
             "timeout": self.timeout,
-            "max_retries": self.max_retries,
+            "max_retries": 0 if self.base_url is not None else self.max_retries,
             "tools": kwargs.get("tools"),
             "tool_choice": kwargs.get("tool_choice"),
             "response_format": kwargs.get("response_format"),

@@ -26,9 +26,10 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ensemble_llm import Ensemble, GenerationParams
+from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.chat import check_tool_choice
 from ensemble_llm.engine import GenerationResult
 from ensemble_llm.stopping import stop_list
@@ -109,11 +110,21 @@ class EnsembleLLM(FunctionCallingLLM):
     max_retries: int = Field(default=0, ge=0, le=100, description=(
         "Times a call that failed inside generation (GenerationError) is run again, within the same "
         "timeout, when no text had been streamed yet."))
-    engine: Optional[Ensemble] = Field(default=None, exclude=True, description="An Ensemble to share.")
+    base_url: Optional[str] = Field(default=None, description=(
+        "Client mode: the URL of a served ensemble (`ensemble-llm serve`), e.g. http://127.0.0.1:8000/v1."))
+    api_key: Optional[SecretStr] = Field(default=None, description="The served ensemble's API key (client mode).")
+    context_window: Optional[int] = Field(default=None, gt=0, description=(
+        "Client mode: the served members' smallest context window (default 2048)."))
+    engine: Any = Field(default=None, exclude=True, description="An Ensemble to share.")
     _context_window: Optional[int] = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
+        if self.base_url is not None:  # client mode: the engine is the server's
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self.engine = RemoteEnsemble(self.base_url, key, max_retries=self.max_retries, timeout=self.timeout)
+            self._context_window = self.context_window or 2048
+            return self
         # Ensemble validates members, method, config and devices and names the bad one
         self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
                                                device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
@@ -128,6 +139,8 @@ class EnsembleLLM(FunctionCallingLLM):
 
     @property
     def model_name(self) -> str:
+        if self.base_url is not None:
+            return f"ensemble-llm@{self.base_url}"
         return f"{self.method}:{'+'.join(self.members or [])}"
 
     @property
@@ -157,7 +170,7 @@ class EnsembleLLM(FunctionCallingLLM):
             "seed": kwargs.get("seed", self.seed),
             "stop": stop_list(self.stop, kwargs.get("stop")),  # duplicates are harmless: StopMatcher drops them
             "timeout": self.timeout,
-            "max_retries": self.max_retries,
+            "max_retries": 0 if self.base_url is not None else self.max_retries,
             "tools": kwargs.get("tools"),
             "tool_choice": kwargs.get("tool_choice"),
             "response_format": kwargs.get("response_format"),

@@ -1,0 +1,342 @@
+"""`ensemble-llm serve`: the ensemble behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
+
+Endpoints: POST /v1/chat/completions (messages with tools and tool calls, `tools`/`tool_choice`,
+`response_format`, `stop`, `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `seed`,
+`stream` with `stream_options.include_usage`), POST /v1/completions (raw prompts), GET /v1/models,
+GET /health, GET /metrics (Prometheus). Errors are OpenAI-shaped, `{"error": {"message", "type",
+"param", "code"}}`: 400 for a bad parameter (named) or a prompt over the context window, 401
+without the API key when one is set, 429 when the queue is full, 504 on a timeout (the body's
+`timeout`, seconds), 500 only for a fault inside generation (the engine keeps serving). A
+client that disconnects cancels its request: no further forward pass runs for it. Every reply
+carries the ensemble's figures in an extra `ensemble` field.
+
+Needs the `serve` extra: pip install "ensemble-llm[serve]".
+"""
+
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from .engine import Ensemble, GenerationResult
+from .errors import EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
+from .params import GenerationParams
+
+# OpenAI body fields we read; any other field is refused by name (400), except these that
+# clients send routinely and that change nothing here
+KNOWN = {"model", "messages", "prompt", "tools", "tool_choice", "response_format", "stop", "max_tokens",
+         "max_completion_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "n", "timeout",
+         "user", "parallel_tool_calls", "frequency_penalty", "presence_penalty", "logprobs", "metadata", "store"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a RequestError names (its message starts with or quotes it)."""
+    for name in ("max_new_tokens", "temperature", "top_p", "seed", "stop", "timeout", "tool_choice", "tools",
+                 "response_format", "messages", "prompt"):
+        if name in message:
+            return {"max_new_tokens": "max_tokens"}.get(name, name)
+    if "message " in message or "content" in message:
+        return "messages"
+    return None
+
+
+def _from_engine_error(exc: EnsembleError) -> ApiError:
+    if isinstance(exc, RequestTimeout):
+        return ApiError(504, str(exc), "timeout_error", "timeout", "timeout")
+    if isinstance(exc, RequestError):
+        code = "context_length_exceeded" if "context window" in str(exc) else None
+        return ApiError(400, str(exc), "invalid_request_error", _param_of(str(exc)), code)
+    if isinstance(exc, RequestCancelled):
+        return ApiError(499, str(exc), "cancelled")
+    if isinstance(exc, GenerationError):
+        return ApiError(500, f"{exc} (the server keeps serving)", "server_error")
+    return ApiError(400, str(exc))
+
+
+def _messages(raw: Any) -> list[dict]:
+    """OpenAI chat messages -> the engine's (tool-call arguments parsed from their JSON text)."""
+    if not isinstance(raw, list):
+        raise ApiError(400, "'messages' must be a list of {'role', 'content'} objects", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
+        m = dict(m)
+        if m.get("role") == "developer":
+            m["role"] = "system"
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for c in calls:
+                if isinstance(c, dict) and isinstance(c.get("function"), dict):
+                    fn = dict(c["function"])
+                    if isinstance(fn.get("arguments"), str):
+                        try:
+                            fn["arguments"] = json.loads(fn["arguments"] or "{}")
+                        except ValueError:
+                            raise ApiError(400, f"messages[{i}].tool_calls: arguments are not JSON: "
+                                                f"{fn['arguments']!r}", param="messages") from None
+                    c = {**c, "function": fn}
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+def _params(body: dict, *, raw: bool) -> GenerationParams:
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise ApiError(400, f"unsupported field(s) {unknown}", param=unknown[0])
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise ApiError(400, f"n={n!r}: this server returns one choice per request; send n=1 (or several requests)",
+                       param="n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    settings: dict[str, Any] = {"raw": raw}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"), ("timeout", "timeout")):
+        if body.get(src) is not None:
+            settings[dst] = body[src]
+    if max_tokens is not None:
+        settings["max_new_tokens"] = max_tokens
+    if body.get("stop") is not None:
+        settings["stop"] = body["stop"]
+    if body.get("tools"):
+        settings["tools"] = tuple(body["tools"])
+        if body.get("tool_choice") is not None:
+            settings["tool_choice"] = body["tool_choice"]
+    elif body.get("tool_choice") not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    if body.get("response_format") is not None:
+        settings["response_format"] = body["response_format"]
+    try:
+        return GenerationParams(**settings)
+    except RequestError as exc:
+        raise _from_engine_error(exc) from None
+
+
+class Server:
+    """The state behind the app: the engine, the queue limit and the metrics."""
+
+    def __init__(self, engine: Ensemble, *, api_key: str | None = None, max_queue: int = 64) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.engine, self.api_key, self.max_queue = engine, api_key, max_queue
+        self.model_id = f"{engine.method_name}:{'+'.join(engine.model_names)}"
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        self.registry = CollectorRegistry()
+        self.requests = Counter("ensemble_requests", "Requests by endpoint and status", ["endpoint", "status"],
+                                registry=self.registry)
+        self.tokens = Counter("ensemble_completion_tokens", "Completion tokens written", registry=self.registry)
+        self.queue = Gauge("ensemble_queue_depth", "Requests waiting or running", registry=self.registry)
+        self.seconds = Histogram("ensemble_request_seconds", "Request time by method", ["method"],
+                                 registry=self.registry)
+
+    def admit(self) -> None:
+        with self.lock:
+            if self.in_flight >= self.max_queue:
+                raise ApiError(429, f"the queue is full ({self.max_queue} requests); retry later",
+                               "rate_limit_exceeded", None, "queue_full")
+            self.in_flight += 1
+            self.queue.set(self.in_flight)
+
+    def release(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            self.queue.set(self.in_flight)
+
+    def ensemble_field(self, result: GenerationResult) -> dict:
+        stats = {k: v for k, v in result.stats.items() if k != "trace"}
+        return {"method": result.method, "members": result.models, "stats": stats}
+
+
+def _tool_calls(result: GenerationResult) -> list[dict]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for c in result.tool_calls]
+
+
+def _usage(result: GenerationResult) -> dict:
+    return result.usage.to_dict()
+
+
+def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int = 64):
+    """The FastAPI app serving `engine` (see the module doc)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from prometheus_client import generate_latest
+
+    srv = Server(engine, api_key=api_key, max_queue=max_queue)
+    app = FastAPI(title="ensemble-llm", version="1")
+    app.state.server = srv
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        srv.requests.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def check_key(request: Request) -> None:
+        if srv.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {srv.api_key}":
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               "authentication_error", None, "invalid_api_key")
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": srv.model_id, "queue": srv.in_flight}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        return {"object": "list", "data": [{"id": srv.model_id, "object": "model", "created": 0,
+                                            "owned_by": "ensemble-llm"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(srv.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    async def run(request: Request, prompt: Any, params: GenerationParams) -> GenerationResult:
+        """One non-streamed request; a client that disconnects cancels it."""
+        stream = engine.astream(prompt, params)
+
+        async def consume():
+            async for _ in stream:
+                pass
+            return stream.result
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # the stream's cleanup tells the engine: no further forward pass
+                raise ApiError(499, "the client disconnected", "cancelled")
+        return task.result()
+
+    async def handle(request: Request, endpoint: str, chat: bool):
+        check_key(request)
+        body = await body_of(request)
+        if chat:
+            prompt = _messages(body.get("messages"))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise ApiError(400, "'prompt' must be a string", param="prompt")
+        params = _params(body, raw=not chat)
+        try:
+            engine.check_request(prompt, params)
+        except RequestError as exc:
+            raise _from_engine_error(exc) from None
+        srv.admit()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_sse(srv, engine, prompt, params, rid, created, chat, include_usage, endpoint),
+                                     media_type="text/event-stream")
+        t0 = time.perf_counter()
+        try:
+            result = await run(request, prompt, params)
+        except EnsembleError as exc:
+            raise _from_engine_error(exc) from None
+        finally:
+            srv.release()
+        srv.seconds.labels(engine.method_name).observe(time.perf_counter() - t0)
+        srv.tokens.inc(result.usage.completion_tokens)
+        srv.requests.labels(endpoint, "200").inc()
+        if chat:
+            message = {"role": "assistant", "content": result.text if (result.text or not result.tool_calls) else None}
+            if result.tool_calls:
+                message["tool_calls"] = _tool_calls(result)
+            choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": srv.model_id, "choices": [choice],
+                "usage": _usage(result), "ensemble": srv.ensemble_field(result)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, "/v1/chat/completions", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "/v1/completions", chat=False)
+
+    return app
+
+
+async def _sse(srv: Server, engine: Ensemble, prompt: Any, params: GenerationParams, rid: str, created: int,
+               chat: bool, include_usage: bool, endpoint: str) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format; the generator's cancellation (a client that
+    went away) reaches the engine through the stream's cleanup."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: dict | str | None, finish: str | None = None, **extra) -> str:
+        if chat:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        else:
+            choices = [] if delta is None else [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]
+        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": srv.model_id,
+                                      "choices": choices, **extra}, ensure_ascii=False) + "\n\n"
+
+    t0 = time.perf_counter()
+    stream = engine.astream(prompt, params)
+    try:
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        try:
+            async for delta in stream:
+                yield chunk({"content": delta} if chat else delta)
+        except EnsembleError as exc:
+            err = _from_engine_error(exc)
+            srv.requests.labels(endpoint, str(err.status)).inc()
+            yield "data: " + json.dumps(err.body()) + "\n\n"
+            return
+        result = stream.result
+        if chat and result.tool_calls:
+            calls = [{"index": i, **c} for i, c in enumerate(_tool_calls(result))]
+            yield chunk({"tool_calls": calls})
+        yield chunk({} if chat else "", result.finish_reason, ensemble=srv.ensemble_field(result))
+        if include_usage:
+            yield chunk(None, usage=_usage(result))
+        yield "data: [DONE]\n\n"
+        srv.seconds.labels(engine.method_name).observe(time.perf_counter() - t0)
+        srv.tokens.inc(result.usage.completion_tokens)
+        srv.requests.labels(endpoint, "200").inc()
+    finally:
+        srv.release()
+
+
+def serve(members: list | None, method: str | None, *, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, max_queue: int = 64, device: str = "auto", config: Any = None) -> None:
+    """Load the ensemble, then serve it until interrupted."""
+    import uvicorn
+
+    engine = Ensemble(members, method, config, device=device).load()
+    uvicorn.run(create_app(engine, api_key=api_key, max_queue=max_queue), host=host, port=port, log_level="warning")

@@ -1,0 +1,236 @@
+"""`ensemble-llm serve`: a real server process on 127.0.0.1 (started here, tiny random-weight
+members with the real tokenizers), driven by the official `openai` client and plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+KEY = "test-key"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"]}}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs):
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ensemble_llm", "serve", "--models", f"{tiny_dirs['smol']},{tiny_dirs['gemma']}",
+         "--method", "safe", "--port", str(port), "--api-key", KEY, "--max-queue", "4"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the server exited:\n" + proc.stdout.read())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        raise RuntimeError("the server did not come up in 120 s")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_models_health_and_metrics(server, client):
+    (model,) = client.models.list().data
+    assert model.id.startswith("safe:")
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+    client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    metrics = httpx.get(server + "/metrics").text
+    assert "ensemble_requests_total" in metrics and "ensemble_queue_depth" in metrics
+
+
+def test_chat_sync_stream_and_usage(client):
+    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hi."}],
+                                         max_tokens=6, seed=1)
+    choice = res.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length") and res.usage.completion_tokens <= 6
+    extra = res.model_extra["ensemble"]
+    assert extra["method"] == "safe" and "members" in extra["stats"]
+    chunks = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hi."}],
+                                                 max_tokens=6, seed=1, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # greedy: the same reply streamed
+    assert chunks[-1].usage.completion_tokens == res.usage.completion_tokens
+
+
+def test_chat_async(server):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+        outs = await asyncio.gather(*[aclient.chat.completions.create(
+            model="x", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4) for i in range(3)])
+        return [o.choices[0].message.content for o in outs]
+
+    assert len(asyncio.run(main())) == 3
+
+
+def test_forced_tool_call_and_history(client):
+    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                         tools=[WEATHER], tool_choice="required", max_tokens=60)
+    choice = res.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    # the call and its result go back as history
+    follow = client.chat.completions.create(model="x", max_tokens=4, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    streamed = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Weather?"}],
+                                                   tools=[WEATHER], tool_choice="required", max_tokens=60,
+                                                   stream=True))
+    deltas = [tc for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather"
+
+
+def test_response_format_json_schema(client):
+    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "A person, as JSON."}],
+                                         max_tokens=40, response_format={"type": "json_schema", "json_schema": {
+                                             "name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(res.choices[0].message.content), PERSON)
+
+
+def test_completions_raw_prompt(client):
+    res = client.completions.create(model="x", prompt="Q: 2+2?\nA:", max_tokens=3, stop=["\n"])
+    assert isinstance(res.choices[0].text, str) and "\n" not in res.choices[0].text
+
+
+@pytest.mark.parametrize("kwargs, status, param", [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
+    ({"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, None),
+    ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None),
+])
+def test_bad_requests_are_400_naming_the_field(client, kwargs, status, param):
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**body)
+    err = info.value.body
+    assert info.value.status_code == status and err["message"]
+    if param:
+        assert err["param"] == param
+    # the server keeps serving
+    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_auth_and_timeout_status_codes(server, client):
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    r = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}],
+                         "max_tokens": 400, "timeout": 0.05})
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+
+
+def test_queue_limit_gives_429_not_a_hang(server):
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 60}
+            rs = await asyncio.gather(*[c.post(server + "/v1/chat/completions", json=body,
+                                               headers={"Authorization": f"Bearer {KEY}"}) for _ in range(10)])
+            return [r.status_code for r in rs]
+
+    codes = asyncio.run(main())
+    assert codes.count(200) >= 1 and 429 in codes and set(codes) <= {200, 429}
+
+
+def test_disconnected_stream_stops_its_request(server, client):
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}],
+                            "max_tokens": 2000, "stream": True}) as r:
+            for _ in r.iter_lines():
+                break  # one event, then the client goes away
+    t = time.perf_counter()
+    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    # the abandoned 2000-token request no longer holds the engine
+    assert res.choices[0].finish_reason in ("stop", "length") and time.perf_counter() - t < 20
+
+
+# ---- client mode of both facades against the served ensemble ------------------------------------
+def test_langchain_client_mode(server):
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+
+    from langchain_ensemble_llm import EnsembleLLM
+
+    @tool
+    def get_weather(city: str, days: int) -> str:
+        """Weather in a city."""
+        return "sunny"
+
+    llm = EnsembleLLM(base_url=server + "/v1", api_key=KEY, max_tokens=8, max_retries=1)
+    assert llm.model_name.startswith("ensemble-llm@")
+    res = llm.invoke("Say hi.", seed=1)
+    assert isinstance(res.content, str) and res.usage_metadata["output_tokens"] <= 8
+    assert res.response_metadata["method"] == "safe"
+    chunks = list(llm.stream([HumanMessage("Say hi.")], seed=1))
+    assert "".join(c.content for c in chunks) == res.content and chunks[-1].usage_metadata is not None
+    call = llm.bind_tools([get_weather], tool_choice="get_weather", max_tokens=60).invoke("Weather in Oslo?")
+    assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
+    out = EnsembleLLM(base_url=server + "/v1", api_key=KEY, max_tokens=40).with_structured_output(PERSON).invoke("A person.")
+    jsonschema.validate(out, PERSON)
+    with pytest.raises(Exception, match="API key|401"):
+        EnsembleLLM(base_url=server + "/v1", api_key="wrong", max_tokens=2).invoke("hi")
+
+
+def test_llamaindex_client_mode(server):
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+    from pydantic import BaseModel, Field
+
+    from llama_index.llms.ensemble_llm import EnsembleLLM
+
+    llm = EnsembleLLM(base_url=server + "/v1", api_key=KEY, max_new_tokens=8)
+    assert llm.metadata.context_window == 2048
+    text = llm.complete("Say hi.", seed=1).text
+    assert isinstance(text, str)
+    streamed = list(llm.stream_chat([ChatMessage(role="user", content="Say hi.")], seed=1))
+    assert streamed[-1].message.content == text and streamed[-1].raw["usage"]["completion_tokens"] <= 8
+
+    class Person(BaseModel):
+        name: str = Field(max_length=6)
+        age: int = Field(ge=0, le=120)
+
+    out = llm.structured_predict(Person, PromptTemplate("Describe {who}."), who="Ada", llm_kwargs={"max_new_tokens": 40})
+    assert isinstance(out, Person)
