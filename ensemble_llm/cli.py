@@ -74,24 +74,36 @@ def _cmd_models_pull(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from pathlib import Path
+    import importlib.util
 
-    from . import DEFAULT_MODELS, EnsembleError
-    from .bench import parse_methods, resolve_task, run_bench, write
+    from . import DEFAULT_MODELS
+    from .bench import resolve_task, run_bench, write
 
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print("error: the bench needs the bench extra: pip install \"ensemble-llm[bench]\"", file=sys.stderr)
         return 2
+
+    def run(specs):
+        tasks = [] if args.no_tasks else [resolve_task(t, args.examples) for t in (args.tasks or DEFAULT_TASKS)]
+        return run_bench(models, specs, tasks, speed_prompts=args.speed_prompts, max_new_tokens=args.max_new_tokens,
+                         third_member=args.third_member, device=args.device, progress=not args.quiet,
+                         preambles=not args.no_preamble)
+
+    return _run_and_write(args, models, run, write)
+
+
+def _run_and_write(args, models, run, write) -> int:
+    """A bench command's common part: parse the methods, run, write the results and print them."""
+    from pathlib import Path
+
+    from . import EnsembleError
+    from .bench import parse_methods
+
     try:
         specs = parse_methods(args.methods, len(models))
-        tasks = [] if args.no_tasks else [resolve_task(t, args.examples) for t in (args.tasks or DEFAULT_TASKS)]
         t0 = time.perf_counter()
-        results = run_bench(models, specs, tasks, speed_prompts=args.speed_prompts,
-                            max_new_tokens=args.max_new_tokens, third_member=args.third_member,
-                            device=args.device, progress=not args.quiet, preambles=not args.no_preamble)
+        results = run(specs)
         results["command"] = "ensemble-llm " + " ".join(shlex.quote(a) for a in args.argv)
         paths = write(results, Path(args.out))
     except EnsembleError as exc:
@@ -104,28 +116,13 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_bench_constraints(args) -> int:
-    from pathlib import Path
-
-    from . import DEFAULT_MODELS, EnsembleError
-    from .bench import parse_methods
+    from . import DEFAULT_MODELS
     from .bench_constraints import run_constraint_bench, write
 
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
-    try:
-        specs = parse_methods(args.methods, len(models))
-        t0 = time.perf_counter()
-        results = run_constraint_bench(models, specs, n_schemas=args.schemas, max_new_tokens=args.max_new_tokens,
-                                       cost_prompts=args.cost_prompts, cost_tokens=args.cost_tokens, device=args.device,
-                                       progress=not args.quiet)
-        results["command"] = "ensemble-llm " + " ".join(shlex.quote(a) for a in args.argv)
-        paths = write(results, Path(args.out))
-    except EnsembleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(Path(args.out, "results.md").read_text())
-    print(f"[ensemble-llm] wrote {', '.join(map(str, paths))} in {(time.perf_counter() - t0) / 60:.1f} min",
-          file=sys.stderr)
-    return 0
+    return _run_and_write(args, models, lambda specs: run_constraint_bench(
+        models, specs, n_schemas=args.schemas, max_new_tokens=args.max_new_tokens, cost_prompts=args.cost_prompts,
+        cost_tokens=args.cost_tokens, device=args.device, progress=not args.quiet), write)
 
 
 def _cmd_serve(args) -> int:

@@ -19,6 +19,7 @@ from ensemble_llm import Ensemble, GenerationParams, RequestError
 from ensemble_llm.chat import TOOL_CLOSE, TOOL_OPEN, tool_call_constraint
 from ensemble_llm.constraints import END, Constraint, Guide
 from ensemble_llm.methods.smc import EOS, beam_search, f_ensemble, smc_sample
+from test_smc import TableLM  # byte LMs over {a, b} whose distribution can be enumerated
 
 OPTIONS = ["yes", "no", "maybe", "yesterday"]
 
@@ -136,31 +137,6 @@ def test_mirror_follows_any_sync_sequence_exactly(steps):
 
 
 # ---- SMC and beam search on a constrained target, exact ------------------------------------------
-class TableLM:
-    """A byte LM over {a, b} + EOS with random conditionals; EOS is certain at length L."""
-
-    def __init__(self, seed: int, L: int) -> None:
-        self.seed, self.L = seed, L
-
-    def logq(self, x: bytes) -> np.ndarray:
-        import hashlib
-
-        out = np.full(257, -math.inf)
-        if len(x) >= self.L:
-            out[EOS] = 0.0
-            return out
-        h = hashlib.sha256(bytes([self.seed]) + x).digest()
-        w = np.array([1 + h[0], 1 + h[1], 1 + h[2]], dtype=float) ** 2
-        out[[ord("a"), ord("b"), EOS]] = np.log(w / w.sum())
-        return out
-
-    def next_logprobs(self, states):
-        return np.stack([self.logq(s) for s in states])
-
-    def advance(self, state, b):
-        return state + bytes([b])
-
-
 PATTERN = r"(ab|ba)a?b?"  # 8 strings out of the 31 the table LMs can write
 
 
@@ -324,7 +300,7 @@ def test_forbidden_tokens_lend_their_mass_to_their_longest_valid_prefix(tiny_mem
     """Prefix mass, exactly: a token that starts right but runs past the grammar moves its
     probability to the allowed token spelling its longest valid prefix."""
     m = tiny_members["smol"]
-    vb, by = m.vocab_bytes, m.vocab.index().by_bytes
+    by = m.vocab.index().by_bytes
     pair = next((p, p + x) for p in (b"ab", b"ac", b"ad", b"al", b"an") for x in (b"s", b"le", b"out", b"c")
                 if p in by and p + x in by)
     short, long = by[pair[0]], by[pair[1]]
