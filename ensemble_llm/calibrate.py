@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 from filelock import FileLock, Timeout
 
 from .members import Member
@@ -61,12 +60,7 @@ def as_question(statement: str) -> str:
 
 def target_logprob(member: Member, prompt_ids: list[int], target: str) -> float:
     """log p(target | prompt) under `member`: the target's canonical tokens scored in one forward."""
-    tgt = member.encode(target)
-    ids = list(prompt_ids) + tgt
-    x = torch.tensor([ids], dtype=torch.long, device=member.device)
-    logits = member._forward(input_ids=x, logits_to_keep=len(tgt) + 1)[0, :-1]  # rows predicting tgt
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return float(logp.gather(1, torch.tensor(tgt, device=logp.device)[:, None]).sum())
+    return member.target_logprob(prompt_ids, member.encode(target))
 
 
 def em_weights(ll: np.ndarray, iters: int = 500, tol: float = 1e-9) -> np.ndarray:

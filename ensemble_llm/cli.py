@@ -19,7 +19,7 @@ def _cmd_generate(args) -> int:
     models = args.models.split(",") if args.models else None
     try:
         t0 = time.perf_counter()
-        engine = Ensemble(models, method=args.method, device=args.device)
+        engine = Ensemble(models, method=args.method, device=args.device, **_placement(args))
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, raw=args.raw)
         engine.check_request(args.prompt, **kw)  # a bad request fails here, before seconds of loading
         print(f"[ensemble-llm] {args.method} over {', '.join(engine.model_names)}", file=sys.stderr, flush=True)
@@ -41,6 +41,29 @@ def _cmd_generate(args) -> int:
         print(json.dumps({"usage": result.usage.to_dict(), "finish_reason": result.finish_reason,
                           "stats": result.stats}, indent=2), file=sys.stderr)
     return 0
+
+
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", choices=("local", "ray"), default="local",
+                   help="members in this process (local) or each in a Ray actor (ray)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --placement ray: the cluster ('auto', 'ray://HEAD:10001'); default: a local one")
+    p.add_argument("--member-resources", default=None, metavar="JSON",
+                   help='with --placement ray: Ray resources per member, one object for all or a list, e.g. '
+                        '\'[{"num_gpus": 1}, {"num_gpus": 1}]\'')
+
+
+def _placement(args) -> dict:
+    """The engine's placement keywords from the command line (bad JSON: an EnsembleError naming it)."""
+    from .errors import ConfigError
+
+    resources = None
+    if args.member_resources is not None:
+        try:
+            resources = json.loads(args.member_resources)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--member-resources is not valid JSON ({exc}); pass e.g. '{{\"num_gpus\": 1}}'") from exc
+    return {"placement": args.placement, "ray_address": args.ray_address, "member_resources": resources}
 
 
 def _cmd_models_list(args) -> int:
@@ -139,7 +162,7 @@ def _cmd_serve(args) -> int:
     try:
         print(f"[ensemble-llm] loading; then serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         serve(models, args.method, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-              device=args.device)
+              device=args.device, **_placement(args))
     except EnsembleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -160,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default="auto")
+    _add_placement(g)
     g.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--stats", action="store_true", help="print usage and stats as JSON on stderr")
@@ -217,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting or running before 429")
     sv.add_argument("--device", default="auto")
+    _add_placement(sv)
     sv.set_defaults(func=_cmd_serve)
     return p
 

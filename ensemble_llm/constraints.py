@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .errors import RequestError
+from .members.rows import as_tensor
 
 END = 256  # the byte vocabulary's end-of-text slot (EOS)
 HEAL_TOP = 32  # forbidden tokens (the likeliest of a row) whose mass goes to their valid prefix
@@ -497,6 +498,7 @@ class Guide:
         is one: the token-level estimate of the model's probability of those bytes coming next."""
         self.masked_rows += 1
         member = self.members[i]
+        row = as_tensor(row)  # a member in a Ray actor sends its whole row here (a grammar needs every token)
         allowed = torch.from_numpy(self._token_mask(i, ids)[: row.shape[-1]])
         if not bool(allowed.any()):
             allowed = torch.zeros_like(allowed)

@@ -264,7 +264,8 @@ class Ensemble:
 
     def __init__(self, members: Sequence[str] | None = None, method: str | None = None, config: Any = None, *,
                  device: Any = "auto", dtype: Any = "auto", cache_dir: str | os.PathLike | None = None,
-                 trust_remote_code: bool = False, progress: bool = True) -> None:
+                 trust_remote_code: bool = False, progress: bool = True, placement: str = "local",
+                 ray_address: str | None = None, member_resources: Any = None) -> None:
         if members is None:
             members = list(DEFAULT_MODELS)
         if isinstance(members, (str, os.PathLike, dict)):
@@ -277,11 +278,35 @@ class Ensemble:
             model, preamble = _member_spec(spec, i)
             self.sources.append(resolve_source(model))
             self.preambles.append(preamble)
+        if placement not in ("local", "ray"):
+            raise ConfigError(f"placement must be 'local' (members in this process) or 'ray' (each member in a "
+                              f"Ray actor), got {placement!r}")
+        self.placement = placement
+        if ray_address is not None and (placement != "ray" or not isinstance(ray_address, str)):
+            raise ConfigError(f"ray_address={ray_address!r} needs placement='ray' and a string address "
+                              "('auto', 'ray://HEAD:10001' or 'HOST:6379')")
+        if member_resources is not None and placement != "ray":
+            raise ConfigError("member_resources applies to placement='ray' only (Ray resources per member actor)")
+        self.ray_address = ray_address
         devices = list(device) if isinstance(device, (list, tuple)) else [device] * len(members)
         if len(devices) != len(members):
             raise ConfigError(f"device lists {len(devices)} entries for {len(members)} members; give one per member.")
-        self.devices = [resolve_device(d) for d in devices]
-        self.dtypes = [resolve_dtype(dtype, d) for d in self.devices]
+        if placement == "ray":
+            from .members.remote import check_member_resources
+
+            if any(d not in ("auto", None) for d in devices):
+                raise ConfigError("with placement='ray' each member's device is its actor's: a GPU where "
+                                  "member_resources gives it one (the default on a cluster with GPUs), else the "
+                                  "CPU; leave device='auto' and set member_resources=[{'num_gpus': 1}, ...].")
+            self.member_resources = check_member_resources(member_resources, len(members))
+            resolve_dtype(dtype, torch.device("cpu"))  # a bad name fails here; "auto" is resolved by each actor
+            self.devices = [torch.device("cpu")] * len(members)  # the caller's side; see RayMember.actor_device
+            name = "auto" if dtype is None else dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+            self.dtypes = [name] * len(members)
+        else:
+            self.member_resources = None
+            self.devices = [resolve_device(d) for d in devices]
+            self.dtypes = [resolve_dtype(dtype, d) for d in self.devices]
         if method is None:
             method = "safe" if len(members) > 1 else "single"
         if not isinstance(method, str):
@@ -310,7 +335,8 @@ class Ensemble:
         request queue. Arguments are validated exactly as by the constructor."""
         eng = cls(members, method, config, **kw)
         key = (tuple(s.ref for s in eng.sources), repr(eng.preambles), eng.method_name, repr(eng.config), tuple(map(str, eng.devices)),
-               tuple(map(str, eng.dtypes)), str(eng.cache_dir), eng.trust_remote_code)
+               tuple(map(str, eng.dtypes)), str(eng.cache_dir), eng.trust_remote_code, eng.placement, eng.ray_address,
+               repr(eng.member_resources))
         with _SHARED_LOCK:
             return _SHARED.setdefault(key, eng)
 
@@ -338,17 +364,38 @@ class Ensemble:
         """Load every member now (otherwise the first request does)."""
         with self._load_lock:
             if self._members is None:
-                members = [
-                    load_member(s.ref, device=d, dtype=t, cache_dir=self.cache_dir,
-                                trust_remote_code=self.trust_remote_code, progress=self.progress)
-                    for s, d, t in zip(self.sources, self.devices, self.dtypes)
-                ]
+                if self.placement == "ray":
+                    members = self._place_on_ray()
+                else:
+                    members = [
+                        load_member(s.ref, device=d, dtype=t, cache_dir=self.cache_dir,
+                                    trust_remote_code=self.trust_remote_code, progress=self.progress)
+                        for s, d, t in zip(self.sources, self.devices, self.dtypes)
+                    ]
                 method = self.method_class(members, self.config)
                 method.check_members()
                 self._members, self._method = members, method
                 for kind in ("chat", "raw"):  # "auto" weights: calibrated (or read from the cache) now
                     self.member_weights(kind)
         return self
+
+    def _place_on_ray(self) -> list:
+        """Each member in a Ray actor (members/remote.py); the tokenizers load here."""
+        from .members.convert import load_cached_tokenizer
+        from .members.remote import place_members
+        from transformers import AutoTokenizer
+
+        def tokenizer_of(i: int):
+            s = self.sources[i]
+            folder = local_dir(s, self.cache_dir, progress=self.progress)
+            return (load_cached_tokenizer(folder) if s.kind in ("bundled", "gguf")
+                    else AutoTokenizer.from_pretrained(folder, trust_remote_code=self.trust_remote_code))
+
+        for s in self.sources:  # fetch and convert once here, before the actors (on this node) read the folder
+            local_dir(s, self.cache_dir, progress=self.progress)
+        return place_members([s.ref for s in self.sources], self.model_names, ray_address=self.ray_address,
+                             member_resources=self.member_resources, dtype=self.dtypes[0], cache_dir=self.cache_dir,
+                             trust_remote_code=self.trust_remote_code, tokenizer_of=tokenizer_of)
 
     @property
     def context_window(self) -> int:
@@ -550,7 +597,7 @@ class Ensemble:
     # ---- one request: a pipeline of named steps --------------------------------------------------
     def _execute(self, job: _Job, emit: Callable[[str], None], cancel: threading.Event) -> GenerationResult:
         t0 = time.perf_counter()
-        before = [(m.n_forward, m.forward_time, m.n_prefill) for m in self.members]
+        before = [m.counters() for m in self.members]
         out, choice, retried = _Output(emit, t0), job.params.tool_choice, None
         while True:
             texts, stops = self._prompts(job, choice)
@@ -637,16 +684,23 @@ class Ensemble:
         return calls, False
 
     def _result(self, job: _Job, run: "_Run", calls: list[ToolCall], main_prompt: str, weights: list[float],
-                main: int, before: list[tuple[int, float, int]], out: "_Output") -> GenerationResult:
+                main: int, before: list[tuple[int, float, int, int]], out: "_Output") -> GenerationResult:
         members, req = self.members, run.req
         stats = {**req.stats.to_dict(), **run.notes}
         raw_text = run.filter.text
         usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(raw_text)) if raw_text else 0)
-        stats["members"] = {
-            m.name: {"forward_passes": m.n_forward - n0, "forward_time_s": round(m.forward_time - t0, 4),
-                     "prefills": m.n_prefill - p0}
-            for m, (n0, t0, p0) in zip(members, before)
-        }
+        stats["members"] = {}
+        moved = 0
+        for m, (n0, t0, p0, b0) in zip(members, before):
+            n, t, p, b = m.counters()
+            stats["members"][m.name] = {"forward_passes": n - n0, "forward_time_s": round(t - t0, 4),
+                                        "prefills": p - p0}
+            if self.placement == "ray":  # payload bytes to and from the member's actor
+                stats["members"][m.name]["bytes_moved"] = b - b0
+                moved += b - b0
+        if self.placement == "ray":
+            stats["bytes_moved"] = moved
+            stats["bytes_moved_per_token"] = round(moved / max(1, req.stats.tokens_out), 1)
         if len(members) > 1 and self._method.name != "single":
             stats["member_weights"] = {m.name: round(w, 4) for m, w in zip(members, weights)}
             stats["main_member"] = members[main].name

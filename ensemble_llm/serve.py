@@ -334,9 +334,12 @@ async def _sse(srv: Server, engine: Ensemble, prompt: Any, params: GenerationPar
 
 
 def serve(members: list | None, method: str | None, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_queue: int = 64, device: str = "auto", config: Any = None) -> None:
-    """Load the ensemble, then serve it until interrupted."""
+          api_key: str | None = None, max_queue: int = 64, device: str = "auto", config: Any = None,
+          placement: str = "local", ray_address: str | None = None, member_resources: Any = None) -> None:
+    """Load the ensemble (members in this process, or each in a Ray actor with placement="ray"),
+    then serve it until interrupted."""
     import uvicorn
 
-    engine = Ensemble(members, method, config, device=device).load()
+    engine = Ensemble(members, method, config, device=device, placement=placement, ray_address=ray_address,
+                      member_resources=member_resources).load()
     uvicorn.run(create_app(engine, api_key=api_key, max_queue=max_queue), host=host, port=port, log_level="warning")

@@ -115,7 +115,7 @@ def loop_ticks():
 
 
 def start_server(models: list[str], method: str, api_key: str | None = None, max_queue: int = 64,
-                 timeout: float = 240.0):
+                 timeout: float = 240.0, extra: list[str] = ()):
     """`ensemble-llm serve` in a real process on a free 127.0.0.1 port; returns (process, base URL)
     once /health answers. The caller terminates the process."""
     import socket
@@ -129,7 +129,8 @@ def start_server(models: list[str], method: str, api_key: str | None = None, max
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "ensemble_llm", "serve", "--models", ",".join(models), "--method", method,
-           "--port", str(port), "--max-queue", str(max_queue)] + (["--api-key", api_key] if api_key else [])
+           "--port", str(port), "--max-queue", str(max_queue)] + (["--api-key", api_key] if api_key else []) \
+        + list(extra)
     proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

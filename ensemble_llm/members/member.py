@@ -44,6 +44,12 @@ def forward_guard(check):
         _GUARD.check = previous
 
 
+def current_guard():
+    """The check `forward_guard` installed for this thread (None outside a request): threads that
+    run part of a request (parallel drafts, remote waits) install the same one."""
+    return getattr(_GUARD, "check", None)
+
+
 @dataclass
 class KVState:
     """A member's KV cache over `ids`; `next_logprobs` is log p(. | ids) when known."""
@@ -58,21 +64,17 @@ class KVState:
         return len(self.ids)
 
 
-class Member:
-    """A causal LM + tokenizer on one device, with forward-pass counters for stats."""
+class TokenizerView:
+    """The tokenizer side of a member: text <-> token ids, byte spellings, chat rendering and the
+    `Vocab` (token index, byte trie, llguidance tokenizer). `Member` adds a model in this process;
+    `RayMember` (remote.py) adds a model in a Ray actor, tokenization staying with the caller."""
 
-    def __init__(self, name: str, model, tokenizer, *, source: str = "") -> None:
+    def _init_tokens(self, name: str, tokenizer, vocab_size: int, eos_ids, source: str) -> None:
         self.name = name
-        self.model = model.eval()
         self.tokenizer = tokenizer
         self.source = source
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        cfg = model.config.get_text_config(decoder=True)
-        self.context_window = int(getattr(cfg, "max_position_embeddings", None) or 2048)
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.vocab_size = int(vocab_size)
+        eos_ids = set(eos_ids)
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -80,14 +82,7 @@ class Member:
         probe = tokenizer("a").input_ids
         self.adds_bos = bool(self.bos_id is not None and probe and probe[0] == self.bos_id)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.n_forward = 0
-        self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
-        self.forward_time = 0.0
         self.vocab = Vocab(self)  # token index, byte trie, llguidance tokenizer: built on first use
-
-    def __repr__(self) -> str:
-        return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
 
     # ---- text <-> tokens ---------------------------------------------------------------
     @cached_property
@@ -149,6 +144,30 @@ class Member:
             text = text[len(bos_tok):]
         ids = self.encode(text)
         return ([self.bos_id] + ids) if self.adds_bos else ids
+
+class Member(TokenizerView):
+    """A causal LM + tokenizer on one device, with forward-pass counters for stats."""
+
+    def __init__(self, name: str, model, tokenizer, *, source: str = "") -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        cfg = model.config.get_text_config(decoder=True)
+        self.context_window = int(getattr(cfg, "max_position_embeddings", None) or 2048)
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        self._init_tokens(name, tokenizer, model.get_output_embeddings().weight.shape[0],
+                          eos if isinstance(eos, list) else [eos] if eos is not None else [], source)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_forward = 0
+        self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
+        self.forward_time = 0.0
+
+    def __repr__(self) -> str:
+        return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
+
+    def counters(self) -> tuple[int, float, int, int]:
+        """(forward passes, seconds in them, prefills, bytes moved to and from another process: 0)."""
+        return self.n_forward, self.forward_time, self.n_prefill, 0
 
     # ---- forwards ------------------------------------------------------------------------
     def _forward(self, **kw) -> torch.Tensor:
@@ -227,6 +246,14 @@ class Member:
             self.crop(state, len(state.ids) - 1)
             self.extend(state, [last])
         return state.next_logprobs
+
+    def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
+        """log p(target | prompt): the target's tokens scored in one forward, no cache."""
+        tgt = list(target_ids)
+        x = torch.tensor([list(prompt_ids) + tgt], dtype=torch.long, device=self.device)
+        logits = self._forward(input_ids=x, logits_to_keep=len(tgt) + 1)[0, :-1]  # rows predicting tgt
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return float(logp.gather(1, torch.tensor(tgt, device=logp.device)[:, None]).sum())
 
     @staticmethod
     def topk(logprobs: torch.Tensor, k: int) -> tuple[list[float], list[int]]:

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ..members import KVState, Member
+from ..members.rows import take, take_async, top_async
 
 EOS = None  # the union key of end-of-sequence (every member's EOS ids)
 Key = bytes | None
@@ -84,23 +85,53 @@ class VocabIndex:
                 raise ValueError(f"{self.member.name} cannot spell the bytes {key!r}")
         return ids
 
-    def logprob(self, row: torch.Tensor, key: Key) -> float:
-        if key is EOS:
-            return float(torch.logsumexp(row[self.eos], 0)) if self.eos else float("-inf")
-        tok = self.first_subtoken(key)
-        return float(row[tok]) if tok is not None else float("-inf")
+    def logprob(self, row, key: Key) -> float:
+        return self.logprobs(row, [key])[0]
+
+    def _ids(self, keys: Sequence[Key]) -> tuple[list[int], list[tuple[int, int]]]:
+        ids, spans = [], []
+        for key in keys:
+            if key is EOS:
+                sel = self.eos
+            else:
+                tok = self.first_subtoken(key)
+                sel = [tok] if tok is not None else []
+            spans.append((len(ids), len(ids) + len(sel)))
+            ids += sel
+        return ids, spans
+
+    @staticmethod
+    def _combine(keys: Sequence[Key], values: list[float], spans) -> list[float]:
+        out = []
+        for key, (a, b) in zip(keys, spans):
+            if a == b:
+                out.append(float("-inf"))
+            elif key is EOS:  # every EOS id of the member: their total probability
+                out.append(float(torch.logsumexp(torch.tensor(values[a:b]), 0)))
+            else:
+                out.append(values[a])
+        return out
+
+    def logprobs(self, row, keys: Sequence[Key]) -> list[float]:
+        """log p(key) for each key from one row: its token's (or first sub-token's) log-prob, the
+        EOS ids' total for EOS, -inf for a key the member cannot start; one question to the row."""
+        ids, spans = self._ids(keys)
+        return self._combine(keys, take(row, ids), spans)
 
 
 def vocab_index(member: Member) -> VocabIndex:
     return member.vocab.index()
 
 
-def top_keys(member: Member, row: torch.Tensor, k: int) -> list[Key]:
+def top_keys(member: Member, row, k: int) -> list[Key]:
     """The member's k most likely next tokens as keys (special tokens other than EOS skipped)."""
+    return keys_of_top(member, top_async(row, 4 * k + 8).get()[1], k)
+
+
+def keys_of_top(member: Member, ids: Sequence[int], k: int) -> list[Key]:
     idx = vocab_index(member)
-    _, ids = torch.topk(row, min(len(row), 4 * k + 8))
     out: list[Key] = []
-    for t in ids.tolist():
+    for t in ids:
         key = idx.key_of(t)
         if key is not EOS and (t in member.special_ids or not key):
             continue
@@ -126,11 +157,17 @@ def union_distribution(members: Sequence[Member], rows: Sequence[torch.Tensor], 
     """UniTE: union of every member's top-k keys; each member's logits on the union (a key it
     lacks gets its first sub-token's logit), softmax per member, weighted average."""
     keys: list[Key] = []
-    for m, row in zip(members, rows):
-        for key in top_keys(m, row, k):
+    # every member's row is asked before any answer is read: remote members answer in parallel
+    tops = [top_async(row, 4 * k + 8) for row in rows]
+    for m, t in zip(members, tops):
+        for key in keys_of_top(m, t.get()[1], k):
             if key not in keys:
                 keys.append(key)
-    logits = torch.tensor([[vocab_index(m).logprob(row, key) for key in keys] for m, row in zip(members, rows)])
+    asks = []
+    for m, row in zip(members, rows):
+        ids, spans = vocab_index(m)._ids(keys)
+        asks.append((take_async(row, ids), spans))
+    logits = torch.tensor([VocabIndex._combine(keys, a.get(), spans) for a, spans in asks])
     per_member = torch.softmax(logits, dim=-1)
     w = torch.tensor(list(weights), dtype=per_member.dtype)
     probs = (w[:, None] * per_member).sum(0) / w.sum()

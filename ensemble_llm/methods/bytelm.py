@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..members import Member
+from ..members.rows import Ready
 
 EOS = 256  # index of the end-of-sequence slot in next-byte vectors (257 slots)
 NEG_INF = -math.inf
@@ -362,6 +363,22 @@ class ByteLM:
         node = self.trie.node(last)
         m = ctx.mass(node.lo, node.hi)
         return [Hyp(ctx, last, lp, lp + math.log(m))] if m > 0 else []
+
+
+def make_byte_lm(member: Member, beam_width: int = 5, prune_threshold: float = 0.0, temperature: float = 1.0,
+                 keep_fresh: bool = False):
+    """The member's byte LM: a `ByteLM` here, or, for a member in a Ray actor, one on its actor
+    (`RemoteByteLM`: the same interface, 257 log-probs per beam cross the wire)."""
+    if hasattr(member, "byte_lm"):
+        return member.byte_lm(beam_width, prune_threshold, temperature, keep_fresh)
+    return ByteLM(member, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
+
+
+def next_logprobs_async(lm, beams):
+    """`lm.next_logprobs(beams)` as something with `.get()`: a remote byte LM is asked at once."""
+    if hasattr(lm, "next_logprobs_async"):
+        return lm.next_logprobs_async(beams)
+    return Ready(lm.next_logprobs(beams))
 
 
 def byte_trie(member: Member) -> VocabTrie:

@@ -28,7 +28,8 @@ from typing import Iterator
 import torch
 
 from ..errors import ConfigError
-from .align import EOS, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
+from ..members.rows import query_async, take_async
+from .align import VocabIndex, EOS, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
 from .sampling import pick_token
 from .unite import Emitter, UniteStats, check_ensemble_members, check_main, check_weights
@@ -160,17 +161,21 @@ class Safe(Method):
                 # Consensus needs the verifiers' own next tokens to be the drafter's token string:
                 # a verifier whose token spans further ("Orange" vs the drafter's "O") has not
                 # agreed, and skipping there is not lossless (found by the Theorem-1 test).
-                agree, aligned, p_own = True, True, [math.exp(float(row[tok]))]
-                for v, vrow in zip(views, vrows):
-                    vidx = vocab_index(v.member)
+                # one question per row (the verifiers' argmax and own-token values), all asked first
+                asks = [take_async(row, [tok])] + [
+                    query_async(vrow, vocab_index(v.member).eos if key is EOS else [v.next_tok[b]])
+                    for v, vrow in zip(views, vrows)]
+                agree, aligned, p_own = True, True, [math.exp(asks[0].get()[0])]
+                for v, ask in zip(views, asks[1:]):
+                    best, vals = ask.get()
                     if key is EOS:
-                        p_own.append(math.exp(vidx.logprob(vrow, EOS)))
-                        agree &= int(torch.argmax(vrow)) in v.member.eos_ids
+                        p_own.append(math.exp(VocabIndex._combine([EOS], vals, [(0, len(vals))])[0]))
+                        agree &= best in v.member.eos_ids
                     else:
                         own = v.next_tok[b]
-                        aligned &= vidx.key_of(own) == key
-                        p_own.append(math.exp(float(vrow[own])))
-                        agree &= own == int(torch.argmax(vrow))
+                        aligned &= vocab_index(v.member).key_of(own) == key
+                        p_own.append(math.exp(vals[0]))
+                        agree &= own == best
                 # the weighted mean (App. H): above 1/2 the token is the weighted ensemble's argmax
                 p_mean = sum(w * p for w, p in zip(weights, p_own)) / wsum
                 if aligned and (agree or p_mean > cfg.consensus):

@@ -7,7 +7,10 @@ import torch
 
 def pick_token(logprobs: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
                generator: torch.Generator | None = None) -> int:
-    """argmax when temperature == 0, else a sample from softmax(logprobs / T) cut to top_p mass."""
+    """argmax when temperature == 0, else a sample from softmax(logprobs / T) cut to top_p mass.
+    A remote row (a member in a Ray actor) picks on its actor, with a seed drawn from `generator`."""
+    if not isinstance(logprobs, torch.Tensor):
+        return logprobs.pick(temperature, top_p, generator)
     if temperature <= 0.0:
         return int(torch.argmax(logprobs))
     logits = logprobs.float() / temperature

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError, GenerationError, RequestError
 from .base import Method, Request, RunStats
-from .bytelm import EOS, ByteLM
+from .bytelm import EOS, make_byte_lm, next_logprobs_async
 
 NEG_INF = -math.inf
 F_NAMES = {"product": 0.0, "mixture": 1.0, "harmonic": -1.0, "min": -math.inf, "max": math.inf}
@@ -152,7 +152,9 @@ def _extensions(lms: Sequence[Any], rows: Sequence[Particle], tau: float, w: np.
     next-byte mask after a text), psi(x b) is 0 for every byte the grammar forbids: the target is
     then pi_f restricted to the grammar's strings, and SMC's weights (the allowed mass) and the
     beam's scores follow that target exactly."""
-    logq = np.stack([lm.next_logprobs([p.states[k] for p in rows]) for k, lm in enumerate(lms)], axis=1)
+    # every member is asked before any answer is read: members in Ray actors compute in parallel
+    asks = [next_logprobs_async(lm, [p.states[k] for p in rows]) for k, lm in enumerate(lms)]
+    logq = np.stack([a.get() for a in asks], axis=1)
     lp = np.stack([p.lp for p in rows])
     joint = lp[:, :, None] + logq
     psi_next = f_ensemble(joint, tau, w, axis=1)
@@ -332,7 +334,7 @@ class Smc(Method):
         temperature = req.temperature if req.temperature > 0 else 1.0
         generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
         search = req.temperature == 0 and cfg.greedy == "beam"
-        lms = [ByteLM(m, cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
+        lms = [make_byte_lm(m, cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
                for m in self.members]
         starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
         # the longest stop first: with overlapping stops the text is cut where the engine would cut it

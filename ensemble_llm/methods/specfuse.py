@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
+from ..members.member import current_guard, forward_guard
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
 from .base import Method, Request, RunStats
 from .sampling import pick_token
@@ -218,7 +219,13 @@ class SpecFuse(Method):
         w = w / w.sum()
         active = [True] * k
         st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
-        parallel = len({str(m.device) for m in members}) > 1
+        # members on different devices, or in Ray actors, draft and score in parallel threads
+        parallel = len({str(m.device) for m in members}) > 1 or any(getattr(m, "remote", False) for m in members)
+        check = current_guard()  # the request's deadline holds in those threads too
+
+        def guarded(fn, *args):
+            with forward_guard(check):
+                return fn(*args)
         # one generator per member when drafting in parallel, so sampling stays reproducible
         gens = [req.generator] * k
         if parallel and req.generator is not None and req.temperature > 0:
@@ -234,14 +241,17 @@ class SpecFuse(Method):
                 todo = [i for i in range(k) if active[i]]
                 st.drafts_saved += k - len(todo)
                 if pool is not None:
-                    drafts = list(pool.map(lambda i: self._draft(i, views[i], n, req, gens[i], text), todo))
+                    drafts = list(pool.map(lambda i: guarded(self._draft, i, views[i], n, req, gens[i], text), todo))
                 else:
                     drafts = [self._draft(i, views[i], n, req, gens[i], text) for i in todo]
                 drafts = [d for d in drafts if d.text or d.eos]
                 if not drafts:  # every member drafted only bytes that cannot stand alone
                     req.finish_reason = "stop"
                     break
-                scored = [self._score(v, drafts) for v in views]
+                if pool is not None:
+                    scored = list(pool.map(lambda v: guarded(self._score, v, drafts), views))
+                else:
+                    scored = [self._score(v, drafts) for v in views]
                 raw = torch.tensor([sc for sc, _ in scored], dtype=torch.float64)  # [K, C]
                 s = normalise(raw, cfg.score)
                 owners = [d.member for d in drafts]

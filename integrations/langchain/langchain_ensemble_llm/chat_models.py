@@ -120,6 +120,12 @@ class EnsembleLLM(BaseChatModel):
     cache_dir: str | None = None
     trust_remote_code: bool = False
     progress: bool = True
+    placement: str = "local"
+    """"local" (members in this process) or "ray" (each member in a Ray actor, on this machine or a cluster)."""
+    ray_address: str | None = None
+    """placement="ray": the cluster to join ("auto", "ray://HEAD:10001"); None starts a local one."""
+    member_resources: Any = None
+    """placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}."""
 
     temperature: float = Field(default=0.0, ge=0.0)
     """0 = greedy."""
@@ -152,7 +158,9 @@ class EnsembleLLM(BaseChatModel):
             # Ensemble validates members, method, config and devices and names the bad one
             self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
                                                    device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
-                                                   trust_remote_code=self.trust_remote_code, progress=self.progress)
+                                                   trust_remote_code=self.trust_remote_code, progress=self.progress,
+                                                   placement=self.placement, ray_address=self.ray_address,
+                                                   member_resources=self.member_resources)
             self.members = self.engine.model_names
             self.method = self.engine.method_name
         if self.profile is None:

@@ -101,6 +101,12 @@ class EnsembleLLM(FunctionCallingLLM):
     cache_dir: Optional[str] = Field(default=None, description="Where converted bundled models are cached.")
     trust_remote_code: bool = Field(default=False)
     progress: bool = Field(default=True, description="Show download/conversion progress bars.")
+    placement: str = Field(default="local", description=(
+        '"local" (members in this process) or "ray" (each member in a Ray actor, on this machine or a cluster).'))
+    ray_address: Optional[str] = Field(default=None, description=(
+        'placement="ray": the cluster to join ("auto", "ray://HEAD:10001"); None starts a local one.'))
+    member_resources: Any = Field(default=None, description=(
+        'placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}.'))
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(default=256, gt=0, description="Most new tokens per reply.")
@@ -128,7 +134,9 @@ class EnsembleLLM(FunctionCallingLLM):
         # Ensemble validates members, method, config and devices and names the bad one
         self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
                                                device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
-                                               trust_remote_code=self.trust_remote_code, progress=self.progress)
+                                               trust_remote_code=self.trust_remote_code, progress=self.progress,
+                                               placement=self.placement, ray_address=self.ray_address,
+                                               member_resources=self.member_resources)
         self.members = self.engine.model_names
         self.method = self.engine.method_name
         return self

@@ -1,0 +1,208 @@
+"""placement="ray": every member in a Ray actor of a local cluster started here (2 CPUs).
+
+Greedy output equals placement="local" token for token (and the same forwards run) for every
+method, on tiny random-weight members and on the real bundled pair; streaming, async, stop
+strings and timeouts behave the same; a member actor killed mid-stream fails that request with
+an error naming the member and the next request succeeds; resources the cluster lacks fail at
+load; the facades and `ensemble-llm serve` accept placement="ray"."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from conftest import GEMMA, SMOL, start_server
+from ensemble_llm import ConfigError, Ensemble, GenerationError, RequestTimeout
+from ensemble_llm.members.remote import clear_actors
+
+pytestmark = pytest.mark.ray
+
+# four member actors (tiny and real pair) on a 2-CPU cluster, a quarter CPU each (one torch thread)
+RES = {"num_cpus": 0.25}
+METHODS = ["single", "unite", "safe", "specfuse", "smc"]
+CONFIGS = {"smc": {"n_particles": 2}}
+PROMPT = "Name three colours and say why the sky is blue."
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    clear_actors()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_dirs):
+    return [tiny_dirs["smol"], tiny_dirs["gemma"]]
+
+
+def pair(models, method, placement):
+    kw = {"placement": "ray", "member_resources": RES} if placement == "ray" else {}
+    return Ensemble(models, method, CONFIGS.get(method), progress=False, **kw)
+
+
+def same_run(a, b):
+    """Equal text, finish and tokens, and the same forward passes on every member."""
+    assert b.text == a.text
+    assert b.finish_reason == a.finish_reason
+    assert b.run_stats.tokens_out == a.run_stats.tokens_out
+    for name, m in a.stats["members"].items():
+        assert b.stats["members"][name]["forward_passes"] == m["forward_passes"], name
+        assert b.stats["members"][name]["prefills"] == m["prefills"], name
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ray_equals_local_tiny(cluster, tiny_pair, method):
+    local, remote = pair(tiny_pair, method, "local"), pair(tiny_pair, method, "ray")
+    for prompt in (PROMPT, "Hello"):
+        a = local.generate(prompt, max_new_tokens=12)
+        b = remote.generate(prompt, max_new_tokens=12)
+        same_run(a, b)
+        moved = b.stats["bytes_moved"]
+        assert moved > 0 and sum(m["bytes_moved"] for m in b.stats["members"].values()) == moved
+        # only small results cross: per forward pass, far less than one vocabulary row (SmolLM2: 49152 x 4 bytes)
+        forwards = sum(m["forward_passes"] for m in b.stats["members"].values())
+        assert moved / forwards < 49152 * 4 / 10
+    assert "bytes_moved" not in a.stats
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", METHODS)
+def test_ray_equals_local_real_pair(cluster, method):
+    local, remote = pair([SMOL, GEMMA], method, "local"), pair([SMOL, GEMMA], method, "ray")
+    budget = 6 if method == "smc" else 16
+    a = local.generate(PROMPT, max_new_tokens=budget)
+    b = remote.generate(PROMPT, max_new_tokens=budget)
+    assert a.text.strip()
+    same_run(a, b)
+    assert b.stats["bytes_moved_per_token"] < 262144 * 4 / 10  # a tenth of one Gemma row
+
+
+@pytest.mark.real
+def test_ray_stop_strings_real_pair(cluster):
+    local, remote = pair([SMOL, GEMMA], "unite", "local"), pair([SMOL, GEMMA], "unite", "ray")
+    full = local.generate(PROMPT, max_new_tokens=16).text
+    words = full.split()
+    assert len(words) >= 3
+    stop = " " + words[2]
+    a = local.generate(PROMPT, max_new_tokens=16, stop=[stop])
+    b = remote.generate(PROMPT, max_new_tokens=16, stop=[stop])
+    assert stop not in a.text and a.finish_reason == "stop"
+    same_run(a, b)
+
+
+def test_ray_streaming_async_and_timeout(cluster, tiny_pair):
+    local, remote = pair(tiny_pair, "safe", "local"), pair(tiny_pair, "safe", "ray")
+    want = local.generate(PROMPT, max_new_tokens=20)
+    stream = remote.stream(PROMPT, max_new_tokens=20)
+    chunks = list(stream)
+    assert len(chunks) > 1 and "".join(chunks) == want.text == stream.result.text
+
+    async def both():
+        return await asyncio.gather(remote.agenerate(PROMPT, max_new_tokens=20),
+                                    remote.agenerate("Hello", max_new_tokens=8))
+
+    a, b = asyncio.run(both())
+    assert a.text == want.text and b.text == local.generate("Hello", max_new_tokens=8).text
+
+    async def astream():
+        return [c async for c in remote.astream(PROMPT, max_new_tokens=20)]
+
+    assert "".join(asyncio.run(astream())) == want.text
+    t = time.perf_counter()
+    with pytest.raises(RequestTimeout):
+        remote.generate(PROMPT, max_new_tokens=1500, timeout=0.5)
+    assert time.perf_counter() - t < 3.0
+    assert remote.generate(PROMPT, max_new_tokens=20).text == want.text  # the engine (and actors) still serve
+
+
+def test_ray_actor_killed_mid_stream(cluster, tiny_pair):
+    local, remote = pair(tiny_pair, "unite", "local"), pair(tiny_pair, "unite", "ray")
+    want = local.generate(PROMPT, max_new_tokens=12).text
+    victim = remote.members[1]
+    stream = iter(remote.stream(PROMPT, max_new_tokens=1500))
+    next(stream)
+    ray.kill(victim.actor, no_restart=False)  # dies like an OOM kill: Ray restarts it
+    t = time.perf_counter()
+    with pytest.raises(GenerationError, match=victim.name) as err:
+        for _ in stream:
+            pass
+    assert "Ray actor" in str(err.value) and time.perf_counter() - t < 30
+    # the next request runs on the restarted actor and gives the same text
+    assert remote.generate(PROMPT, max_new_tokens=12).text == want
+
+
+def test_ray_unplaceable_resources_fail_at_load(cluster, tiny_pair):
+    engine = Ensemble(tiny_pair, "unite", progress=False, placement="ray", member_resources={"num_gpus": 1})
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"cannot place these members: GPU needs 2, the cluster has 0"):
+        engine.load()
+    assert time.perf_counter() - t < 10
+    with pytest.raises(ConfigError, match="custom resource"):
+        Ensemble(tiny_pair, "unite", placement="ray", member_resources={"resources": {"accel": -1}})
+    engine = Ensemble(tiny_pair, "unite", progress=False, placement="ray",
+                      member_resources=[RES, {"num_cpus": 0.25, "resources": {"no_such_accelerator": 1}}])
+    with pytest.raises(ConfigError, match="no_such_accelerator needs 1, the cluster has 0"):
+        engine.load()
+
+
+def test_placement_arguments_are_checked(tiny_pair):
+    with pytest.raises(ConfigError, match="placement must be 'local'"):
+        Ensemble(tiny_pair, "unite", placement="rey")
+    with pytest.raises(ConfigError, match="needs placement='ray'"):
+        Ensemble(tiny_pair, "unite", ray_address="auto")
+    with pytest.raises(ConfigError, match="member_resources applies to placement='ray'"):
+        Ensemble(tiny_pair, "unite", member_resources={"num_cpus": 1})
+    with pytest.raises(ConfigError, match="unknown keys"):
+        Ensemble(tiny_pair, "unite", placement="ray", member_resources={"num_cpu": 1})
+    with pytest.raises(ConfigError, match="one per member"):
+        Ensemble(tiny_pair, "unite", placement="ray", member_resources=[RES])
+    with pytest.raises(ConfigError, match="device is its actor's"):
+        Ensemble(tiny_pair, "unite", placement="ray", device="cpu")
+
+
+def test_facades_accept_ray_placement(cluster, tiny_pair):
+    from langchain_ensemble_llm import EnsembleLLM as LCEnsemble
+    from llama_index.llms.ensemble_llm import EnsembleLLM as LIEnsemble
+
+    want = pair(tiny_pair, "safe", "local").generate(PROMPT, max_new_tokens=10).text
+    lc = LCEnsemble(members=tiny_pair, method="safe", placement="ray", member_resources=RES, max_tokens=10,
+                    progress=False)
+    assert lc.engine.placement == "ray"
+    assert lc.invoke(PROMPT).content == want
+    li = LIEnsemble(members=tiny_pair, method="safe", placement="ray", member_resources=RES, max_new_tokens=10,
+                    progress=False)
+    assert li.complete(PROMPT).text == want
+
+
+def test_serve_with_ray_placement(cluster, tiny_pair):
+    import openai
+
+    want = pair(tiny_pair, "safe", "local").generate(PROMPT, max_new_tokens=10).text
+    proc, base = start_server(tiny_pair, "safe", extra=["--placement", "ray", "--ray-address", "auto",
+                                                        "--member-resources", '{"num_cpus": 0.25}'])
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": PROMPT}], max_tokens=10)
+        assert res.choices[0].message.content == want
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("method", ["single", "safe"])
+def test_ray_grammar_constraints_equal_local(cluster, tiny_pair, method):
+    """A grammar masks whole rows: over Ray the row is fetched (counted in bytes_moved), the text is the same."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    a = pair(tiny_pair, method, "local").generate(PROMPT, max_new_tokens=40, response_format=fmt)
+    b = pair(tiny_pair, method, "ray").generate(PROMPT, max_new_tokens=40, response_format=fmt)
+    same_run(a, b)
+    assert b.stats["bytes_moved"] > 0
