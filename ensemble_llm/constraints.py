@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .errors import RequestError
-from .members.rows import as_tensor
+from .members.rows import is_local, top
 
 END = 256  # the byte vocabulary's end-of-text slot (EOS)
 HEAL_TOP = 32  # forbidden tokens (the likeliest of a row) whose mass goes to their valid prefix
@@ -498,16 +498,17 @@ class Guide:
         is one: the token-level estimate of the model's probability of those bytes coming next."""
         self.masked_rows += 1
         member = self.members[i]
-        row = as_tensor(row)  # a member in a Ray actor sends its whole row here (a grammar needs every token)
-        allowed = torch.from_numpy(self._token_mask(i, ids)[: row.shape[-1]])
-        if not bool(allowed.any()):
-            allowed = torch.zeros_like(allowed)
-            allowed[list(member.eos_ids)] = True
-        out = row.masked_fill(~allowed.to(row.device), float("-inf"))
+        width = row.shape[-1]
+        allowed_np = np.asarray(self._token_mask(i, ids)[:width], dtype=bool)
+        if not allowed_np.any():
+            allowed_np = np.zeros(width, dtype=bool)
+            allowed_np[list(member.eos_ids)] = True
+        allowed = torch.from_numpy(allowed_np)
         vb, index, special = member.vocab_bytes, member.vocab.index().by_bytes, member.special_ids
         text = None
-        values, tokens = torch.topk(row, min(HEAL_TOP, row.shape[-1]))
-        for v, t in zip(values.tolist(), tokens.tolist()):
+        values, tokens = top(row, HEAL_TOP)
+        adds = []
+        for v, t in zip(values, tokens):
             if allowed[t] or t in special or not math.isfinite(v) or not vb[t]:
                 continue
             if text is None:
@@ -516,21 +517,34 @@ class Guide:
             n = self._bytes.m.validate_tokens(list(d)) if self._bytes.sync(text) else 0
             heir = index.get(d[:n]) if 0 < n < len(d) else None
             if heir is not None and heir < len(allowed) and allowed[heir]:
-                out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
+                adds.append((heir, v))
                 self.healed += 1
+        if is_local(row):
+            out = row.masked_fill(~allowed.to(row.device), float("-inf"))
+            for heir, v in adds:
+                out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
+            values, tokens = top(out, HEAL_TOP)
+        else:  # a member in a Ray actor: the mask (1 bit per token) goes there, the row stays
+            out, best = row.masked(allowed_np, adds, HEAL_TOP)
+            values, tokens = best.get()
         # an allowed token after which the grammar forces more bytes lends its mass to the allowed
         # token spelling both (see `_forced_heir`)
-        values, tokens = torch.topk(out, min(HEAL_TOP, out.shape[-1]))
         if text is None:
             text = b"".join(vb[x] for x in ids)
-        for v, t in zip(values.tolist(), tokens.tolist()):
+        merges = []
+        for v, t in zip(values, tokens):
             if not math.isfinite(v) or t in special or not vb[t]:
                 continue
             heir = self._forced_heir(text, vb[t], index)
             if heir is not None and heir != t and heir < len(allowed) and allowed[heir]:
-                out[heir] = torch.logaddexp(out[heir], out[t])
-                out[t] = float("-inf")
+                merges.append((heir, t))
                 self.merged += 1
+        if not is_local(row):
+            out.merge(merges)
+            return out
+        for heir, t in merges:
+            out[heir] = torch.logaddexp(out[heir], out[t])
+            out[t] = float("-inf")
         return out
 
     @_timed

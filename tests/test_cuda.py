@@ -53,3 +53,27 @@ def test_bench_records_the_gpu(tiny_dirs):
                     [resolve_task("qa_wikidata:2", 0)], speed_prompts=1, max_new_tokens=4, progress=False)
     assert res["devices"] == ["cuda:0"] and res["cuda"]
     assert all(r["peak_memory_mb"] > 0 for r in res["methods"].values())
+
+
+@pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
+def test_ray_members_on_the_gpu(tiny_dirs, method):
+    """placement="ray" on a GPU machine: each member actor takes a share of the GPU (its own CUDA
+    context), float32 so the text is the in-process one."""
+    import ray
+
+    from ensemble_llm.members.remote import clear_actors
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        pair = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+        cfg = {"n_particles": 2} if method == "smc" else None
+        eng = Ensemble(pair, method, cfg, dtype="float32", placement="ray",
+                       member_resources={"num_gpus": 0.5, "num_cpus": 1})
+        res = eng.generate("Tell me about the sea.", max_new_tokens=12)
+        assert [m.actor_device for m in eng.members] == ["cuda:0", "cuda:0"]
+        ref = Ensemble(pair, method, cfg, device="cuda", dtype="float32").generate("Tell me about the sea.",
+                                                                                  max_new_tokens=12)
+        assert res.text == ref.text and res.stats["bytes_moved"] > 0
+    finally:
+        clear_actors()

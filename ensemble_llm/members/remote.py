@@ -201,6 +201,22 @@ class MemberActor:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         return pick_token(self._row(r, i), temperature, top_p, gen)
 
+    def op_mask(self, r: int, i: int, new: int, bits: np.ndarray, n: int, adds: list, k: int) -> tuple:
+        row = self._row(r, i)
+        allowed = torch.from_numpy(np.unpackbits(bits)[:n].astype(bool)).to(row.device)
+        out = row.masked_fill(~allowed, float("-inf"))
+        for heir, v in adds:
+            out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
+        self.objs[new] = out[None]
+        vals, ids = torch.topk(out, min(k, out.shape[-1]))
+        return vals.tolist(), ids.tolist()
+
+    def op_merge(self, r: int, i: int, merges: list) -> None:
+        out = self._row(r, i)
+        for heir, t in merges:
+            out[heir] = torch.logaddexp(out[heir], out[t])
+            out[t] = float("-inf")
+
     def op_fetch(self, r: int, i: int) -> np.ndarray:
         return self._row(r, i).float().cpu().numpy()
 
@@ -303,6 +319,19 @@ class RemoteRow:
                 int(torch.randint(0, 2**62, ()))
         return self._ask("pick", float(temperature), float(top_p), seed).get()
 
+    def masked(self, allowed: np.ndarray, adds: list[tuple[int, float]], k: int) -> tuple["RemoteRow", Pending]:
+        """A grammar's mask (`Guide.mask_row`) applied on the actor: a new row there with the forbidden
+        tokens at -inf and `adds` logaddexp'd in, and the top k of it. 1 bit per token goes up."""
+        rows = RemoteRows(self.owner, 1)
+        best = self._ask("mask", rows.handle.id, np.packbits(allowed), len(allowed),
+                         [(int(h), float(v)) for h, v in adds], int(k))
+        return rows[0], best
+
+    def merge(self, merges: list[tuple[int, int]]) -> None:
+        """out[heir] = logaddexp(out[heir], out[t]); out[t] = -inf for each pair, in order (no wait)."""
+        if merges:
+            self.owner._submit("merge", self.rows.handle.id, self.i, [(int(h), int(t)) for h, t in merges])
+
     def fetch(self) -> torch.Tensor:
         """The whole row (vocabulary-sized: only where a step needs every token, e.g. a grammar mask)."""
         return torch.tensor(self._ask("fetch").get())
@@ -336,6 +365,18 @@ class Pending:
 
     def get(self) -> Any:
         return self.owner._get(self.ref)
+
+
+class _Rows:
+    """A pending [distinct beams, 257] answer, expanded to one row per asked beam on `get()`."""
+
+    __slots__ = ("pending", "index")
+
+    def __init__(self, pending: Pending, index: list[int]) -> None:
+        self.pending, self.index = pending, index
+
+    def get(self) -> np.ndarray:
+        return self.pending.get()[self.index]
 
 
 class RemoteBeam:
@@ -376,8 +417,11 @@ class RemoteByteLM:
             for b, t in zip(beams, p.get()):
                 b._tokens = t
 
-    def next_logprobs_async(self, beams: Sequence[RemoteBeam]) -> Pending:
-        return self.member._ask("bytelm_next", self.handle.id, [b.handle.id for b in beams])
+    def next_logprobs_async(self, beams: Sequence[RemoteBeam]) -> "_Rows":
+        # particles share beams after resampling: each distinct beam's 257 log-probs cross once
+        uniq: dict[int, int] = {}
+        index = [uniq.setdefault(b.handle.id, len(uniq)) for b in beams]
+        return _Rows(self.member._ask("bytelm_next", self.handle.id, list(uniq)), index)
 
     def next_logprobs(self, beams: Sequence[RemoteBeam]) -> np.ndarray:
         return self.next_logprobs_async(beams).get()
@@ -410,6 +454,7 @@ class RayMember(TokenizerView):
         self._ids = itertools.count(1)
         self._dead: collections.deque[int] = collections.deque()
         self.bytes_moved = 0
+        self.round_trips = 0  # waits for an answer (calls that need none are queued without waiting)
         self.n_prefill_local = 0
         self._known = (0, 0.0, 0)  # the actor's counters when last read
         self._lock = threading.Lock()
@@ -448,6 +493,7 @@ class RayMember(TokenizerView):
                 check()  # raises past the request's deadline or when its caller went away
         out = ray.get(ref)
         self.bytes_moved += payload_bytes(out)
+        self.round_trips += 1
         return out
 
     def _get(self, ref) -> Any:
