@@ -103,14 +103,15 @@ class MemberActor:
                 "threads": torch.get_num_threads()}
 
     def call(self, op: str, args: tuple, dead: list[int]) -> Any:
-        for h in dead:
-            self.objs.pop(h, None)
-            self.scratch.pop(h, None)
         try:
             return getattr(self, "op_" + op)(*args)
         except Exception as exc:
             self.last_error = f"{op}: {type(exc).__name__}: {exc}"
             raise
+        finally:  # after the call: a handle the caller made and dropped before this call created it
+            for h in dead:
+                self.objs.pop(h, None)
+                self.scratch.pop(h, None)
 
     def _row(self, r: int, i: int) -> torch.Tensor:
         try:
@@ -404,14 +405,25 @@ class RemoteByteLM:
         member._submit("bytelm", self.handle.id, int(beam_width), float(prune_threshold), float(temperature),
                        bool(keep_fresh))
         self._pending: list[tuple[list[RemoteBeam], Pending]] = []
+        self._advances: list[tuple[RemoteBeam, RemoteBeam, int]] = []
         self.heals = 0
 
+    def _flush(self) -> None:
+        """Send the advances made since the last call as one call (their token counts come back)."""
+        if self._advances:
+            todo, self._advances = self._advances, []
+            pairs = [(new.handle.id, old.handle.id, b) for new, old, b in todo]
+            self._pending.append(([new for new, _, _ in todo],
+                                  self.member._ask("bytelm_advance", self.handle.id, pairs)))
+
     def start(self, prompt_ids: Sequence[int]) -> RemoteBeam:
+        self._flush()
         beam = RemoteBeam(self)
         beam._tokens = self.member._ask("bytelm_start", self.handle.id, beam.handle.id, list(prompt_ids)).get()
         return beam
 
     def _resolve(self) -> None:
+        self._flush()
         pending, self._pending = self._pending, []
         for beams, p in pending:
             for b, t in zip(beams, p.get()):
@@ -419,6 +431,7 @@ class RemoteByteLM:
 
     def next_logprobs_async(self, beams: Sequence[RemoteBeam]) -> "_Rows":
         # particles share beams after resampling: each distinct beam's 257 log-probs cross once
+        self._flush()
         uniq: dict[int, int] = {}
         index = [uniq.setdefault(b.handle.id, len(uniq)) for b in beams]
         return _Rows(self.member._ask("bytelm_next", self.handle.id, list(uniq)), index)
@@ -428,9 +441,9 @@ class RemoteByteLM:
 
     def advance(self, beam: RemoteBeam, b: int) -> RemoteBeam:
         new = RemoteBeam(self)
-        # submitted now, its token count read only when asked: many advances, one wait
-        self._pending.append(([new], self.member._ask("bytelm_advance", self.handle.id,
-                                                       [(new.handle.id, beam.handle.id, int(b))])))
+        # sent with the next call of this byte LM, all advances of a step in one; the new beam's
+        # token count is read only when asked
+        self._advances.append((new, beam, int(b)))
         return new
 
     def compact(self, beams: Sequence[RemoteBeam]) -> None:
@@ -455,9 +468,7 @@ class RayMember(TokenizerView):
         self._dead: collections.deque[int] = collections.deque()
         self.bytes_moved = 0
         self.round_trips = 0  # waits for an answer (calls that need none are queued without waiting)
-        self.n_prefill_local = 0
         self._known = (0, 0.0, 0)  # the actor's counters when last read
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RayMember({self.name!r}, actor device={self.actor_device}, dtype={self.dtype})"
