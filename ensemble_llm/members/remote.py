@@ -497,12 +497,12 @@ class RayMember(TokenizerView):
     def _get_raw(self, ref, check) -> Any:
         ray = _ray()
         while True:
-            ready, _ = ray.wait([ref], timeout=WAIT_SLICE_S)
-            if ready:
+            try:
+                out = ray.get(ref, timeout=WAIT_SLICE_S)
                 break
-            if check is not None:
-                check()  # raises past the request's deadline or when its caller went away
-        out = ray.get(ref)
+            except ray.exceptions.GetTimeoutError:
+                if check is not None:
+                    check()  # raises past the request's deadline or when its caller went away
         self.bytes_moved += payload_bytes(out)
         self.round_trips += 1
         return out
