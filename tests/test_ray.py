@@ -16,6 +16,7 @@ import ray
 
 from conftest import GEMMA, SMOL, start_server
 from ensemble_llm import ConfigError, Ensemble, GenerationError, RequestTimeout
+from ensemble_llm.members import TokenLM
 from ensemble_llm.members.remote import clear_actors
 
 pytestmark = pytest.mark.ray
@@ -59,6 +60,7 @@ def same_run(a, b):
 @pytest.mark.parametrize("method", METHODS)
 def test_ray_equals_local_tiny(cluster, tiny_pair, method):
     local, remote = pair(tiny_pair, method, "local"), pair(tiny_pair, method, "ray")
+    assert all(isinstance(m, TokenLM) and m.remote for m in remote.members)
     for prompt in (PROMPT, "Hello"):
         a = local.generate(prompt, max_new_tokens=12)
         b = remote.generate(prompt, max_new_tokens=12)

@@ -1,11 +1,13 @@
 """`TokenLM`: the whole of what an ensembling method may ask of a member.
 
-`Member` (member.py, the transformers backend) implements it. Methods only call what is listed
-here; they never set attributes on a member and never reach into a `KVState` (a member's cache
-is changed through `extend`, `crop`, `scratch`, `score_inline`/`keep_candidate`). This is the
-surface a remote member (the Ray placement issue) has to serve, so it is kept narrow, and its
-results are small where a method allows: log-prob rows of one position, candidate scores,
-257-slot byte distributions are computed from rows on the caller's side.
+`Member` (member.py, the transformers backend, in this process) and `RayMember` (remote.py, the
+model in a Ray actor) implement it. Methods only call what is listed here; they never set
+attributes on a member and only read a state's `ids` and `next_logprobs` (a member's cache is
+changed through `extend`, `crop`, `scratch`, `score_inline`/`keep_candidate`). A row of log-probs
+(`next_logprobs`, a row of what `extend` returns) is a tensor for a member here and a handle for a
+member in an actor: methods ask rows for small answers through `members.rows` (top-k, values
+at ids, argmax) and `sampling.pick_token`, never index them directly, so vocabulary-sized work
+stays where the model is.
 """
 
 from __future__ import annotations
@@ -65,3 +67,8 @@ class TokenLM(Protocol):
     def keep_candidate(self, state: Any, index: int) -> None: ...
 
     def drop_candidates(self, state: Any) -> None: ...
+
+    def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float: ...
+
+    # ---- accounting ------------------------------------------------------------------------------
+    def counters(self) -> tuple[int, float, int, int]: ...

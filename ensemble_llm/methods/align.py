@@ -88,7 +88,9 @@ class VocabIndex:
     def logprob(self, row, key: Key) -> float:
         return self.logprobs(row, [key])[0]
 
-    def _ids(self, keys: Sequence[Key]) -> tuple[list[int], list[tuple[int, int]]]:
+    def key_ids(self, keys: Sequence[Key]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The token ids to read for each key (all EOS ids for EOS, none for a key the member cannot
+        start), flat, with each key's span in the flat list (see `key_logprobs`)."""
         ids, spans = [], []
         for key in keys:
             if key is EOS:
@@ -101,7 +103,8 @@ class VocabIndex:
         return ids, spans
 
     @staticmethod
-    def _combine(keys: Sequence[Key], values: list[float], spans) -> list[float]:
+    def key_logprobs(keys: Sequence[Key], values: list[float], spans) -> list[float]:
+        """log p(key) for each key from the row's `values` at `key_ids`' ids."""
         out = []
         for key, (a, b) in zip(keys, spans):
             if a == b:
@@ -115,8 +118,8 @@ class VocabIndex:
     def logprobs(self, row, keys: Sequence[Key]) -> list[float]:
         """log p(key) for each key from one row: its token's (or first sub-token's) log-prob, the
         EOS ids' total for EOS, -inf for a key the member cannot start; one question to the row."""
-        ids, spans = self._ids(keys)
-        return self._combine(keys, take(row, ids), spans)
+        ids, spans = self.key_ids(keys)
+        return self.key_logprobs(keys, take(row, ids), spans)
 
 
 def vocab_index(member: Member) -> VocabIndex:
@@ -165,9 +168,9 @@ def union_distribution(members: Sequence[Member], rows: Sequence[torch.Tensor], 
                 keys.append(key)
     asks = []
     for m, row in zip(members, rows):
-        ids, spans = vocab_index(m)._ids(keys)
+        ids, spans = vocab_index(m).key_ids(keys)
         asks.append((take_async(row, ids), spans))
-    logits = torch.tensor([VocabIndex._combine(keys, a.get(), spans) for a, spans in asks])
+    logits = torch.tensor([VocabIndex.key_logprobs(keys, a.get(), spans) for a, spans in asks])
     per_member = torch.softmax(logits, dim=-1)
     w = torch.tensor(list(weights), dtype=per_member.dtype)
     probs = (w[:, None] * per_member).sum(0) / w.sum()

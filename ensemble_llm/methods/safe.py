@@ -169,7 +169,7 @@ class Safe(Method):
                 for v, ask in zip(views, asks[1:]):
                     best, vals = ask.get()
                     if key is EOS:
-                        p_own.append(math.exp(VocabIndex._combine([EOS], vals, [(0, len(vals))])[0]))
+                        p_own.append(math.exp(VocabIndex.key_logprobs([EOS], vals, [(0, len(vals))])[0]))
                         agree &= best in v.member.eos_ids
                     else:
                         own = v.next_tok[b]
