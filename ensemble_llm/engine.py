@@ -380,28 +380,19 @@ class Ensemble:
         return self
 
     def _place_on_ray(self) -> list:
-        """Each member in a Ray actor (members/remote.py); the tokenizers load here."""
-        from .members.convert import load_cached_tokenizer
+        """Each member in a Ray actor (members/remote.py): the actors fetch and load the models
+        where they run; this process gets only the tokenizers, from them."""
         from .members.remote import place_members
-        from transformers import AutoTokenizer
 
-        def tokenizer_of(i: int):
-            s = self.sources[i]
-            folder = local_dir(s, self.cache_dir, progress=self.progress)
-            return (load_cached_tokenizer(folder) if s.kind in ("bundled", "gguf")
-                    else AutoTokenizer.from_pretrained(folder, trust_remote_code=self.trust_remote_code))
-
-        for s in self.sources:  # fetch and convert once here, before the actors (on this node) read the folder
-            local_dir(s, self.cache_dir, progress=self.progress)
         return place_members([s.ref for s in self.sources], self.model_names, ray_address=self.ray_address,
                              member_resources=self.member_resources, dtype=self.dtypes[0], cache_dir=self.cache_dir,
-                             trust_remote_code=self.trust_remote_code, tokenizer_of=tokenizer_of)
+                             trust_remote_code=self.trust_remote_code)
 
     @property
     def context_window(self) -> int:
         """The smallest member's context window, read from the model configs (no weights load)."""
-        if self._members is not None:
-            return min(m.context_window for m in self._members)
+        if self._members is not None or self.placement == "ray":  # ray: the actors read the configs
+            return min(m.context_window for m in self.members)
         from transformers import AutoConfig
 
         sizes = []

@@ -211,3 +211,16 @@ def test_ray_grammar_constraints_equal_local(cluster, tiny_pair, method):
     assert a.stats["masked_rows"] == b.stats["masked_rows"] > 0
     forwards = sum(m["forward_passes"] for m in b.stats["members"].values())
     assert 0 < b.stats["bytes_moved"] / forwards < 49152 * 4 / 10
+
+
+def test_ray_tokenizers_come_from_the_actors(cluster, tiny_pair):
+    """The caller needs no model files: each member's tokenizer is the one its actor loaded,
+    sent once and kept in the cache folder by digest."""
+    local, remote = pair(tiny_pair, "unite", "local").members, pair(tiny_pair, "unite", "ray").members
+    msgs = [{"role": "user", "content": "Héllo, wörld! 1 + 1 = 2 🙂"}]
+    for a, b in zip(local, remote):
+        assert "ray-tokenizers" in str(b.tokenizer.name_or_path)
+        assert b.vocab_bytes == a.vocab_bytes and b.special_ids == a.special_ids and b.eos_ids == a.eos_ids
+        assert b.render_chat(msgs) == a.render_chat(msgs)
+        assert b.encode_with_offsets("Héllo 🙂 wörld") == a.encode_with_offsets("Héllo 🙂 wörld")
+        assert b.context_window == a.context_window and b.vocab_size == a.vocab_size

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import itertools
 import logging
 import math
 import threading
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -45,6 +47,9 @@ log = logging.getLogger("ensemble_llm.ray")
 MAX_RESTARTS = 4  # a dead member's actor is restarted this many times (then its requests fail)
 PLACEMENT_TIMEOUT_S = 60.0  # how long load() waits for the cluster to find room for the members
 WAIT_SLICE_S = 0.05  # the caller checks the request's deadline this often while it waits
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "chat_template.json")
 RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "torch_threads")
 
 
@@ -101,6 +106,20 @@ class MemberActor:
                 "eos_ids": eos if isinstance(eos, list) else [eos] if eos is not None else [],
                 "n_params": m.n_params, "dtype": str(m.dtype), "device": str(m.device), "source": m.source,
                 "threads": torch.get_num_threads()}
+
+    def tokenizer_digest(self) -> str:
+        """A digest of the member's tokenizer files (names and contents)."""
+        h = hashlib.sha256()
+        for name, data in sorted(self._tokenizer_files().items()):
+            h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+        return h.hexdigest()[:16]
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return self._tokenizer_files()
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        folder = Path(self.member.source)
+        return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.name in TOKENIZER_FILE_NAMES}
 
     def call(self, op: str, args: tuple, dead: list[int]) -> Any:
         try:
@@ -727,10 +746,10 @@ def _bundle(res: dict, has_gpu: bool) -> dict:
 
 
 def place_members(specs: Sequence[str], names: Sequence[str], *, ray_address: str | None,
-                  member_resources: list[dict] | None, dtype: Any, cache_dir, trust_remote_code: bool,
-                  tokenizer_of) -> list[RayMember]:
+                  member_resources: list[dict] | None, dtype: Any, cache_dir, trust_remote_code: bool) -> list[RayMember]:
     """One actor per member (reused by later engines in this process for the same model and
-    resources). Resources the cluster cannot give fail here, before any model loads."""
+    resources). Resources the cluster cannot give fail here, before any model loads. Each actor
+    fetches (and converts) its model where it runs; the caller gets the tokenizer files from it."""
     ray = connect(ray_address)
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -780,9 +799,28 @@ def place_members(specs: Sequence[str], names: Sequence[str], *, ray_address: st
                     info = ray.get(info_ref)
                 except ray.exceptions.RayActorError as exc:
                     raise ConfigError(f"member {names[i]!r} could not load in its Ray actor: {exc}") from exc
-                _ACTORS[keys[i]] = RayMember(actor, info, tokenizer_of(i), spec=specs[i], resources=bundles[i])
+                _ACTORS[keys[i]] = RayMember(actor, info, actor_tokenizer(actor, cache_dir), spec=specs[i],
+                                             resources=bundles[i])
                 log.info("placed %s on a Ray actor (%s, %s)", names[i], info["device"], bundles[i])
         return [_ACTORS[k] for k in keys]
+
+
+def actor_tokenizer(actor, cache_dir=None):
+    """The member's tokenizer, from the files its actor loaded (so the caller needs no model files:
+    on a cluster the weights live only where the actors run). Kept in the cache folder by digest."""
+    from .convert import load_cached_tokenizer
+    from .fetch import cache_root
+
+    ray = _ray()
+    folder = cache_root(cache_dir) / "ray-tokenizers" / ray.get(actor.tokenizer_digest.remote())
+    if not (folder / ".complete").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in ray.get(actor.tokenizer_files.remote()).items():
+            tmp = folder / (name + ".partial")
+            tmp.write_bytes(data)
+            tmp.replace(folder / name)
+        (folder / ".complete").write_text("")
+    return load_cached_tokenizer(folder)
 
 
 def _alive(member: RayMember) -> bool:
