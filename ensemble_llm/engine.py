@@ -71,6 +71,7 @@ class _Job:
     prompt: str | list[dict]
     params: GenerationParams
     submitted: float = field(default_factory=time.perf_counter)  # the timeout counts from here
+    shows_text: bool = True  # a stream's deltas reach the caller; generate() only keeps the result
 
     def check_deadline(self) -> None:
         """RequestTimeout once `timeout` seconds have passed since the request was submitted
@@ -460,7 +461,9 @@ class Ensemble:
         (GenerationParams) and/or the same names as keywords (keywords win); see
         GenerationParams for each. With tools, `result.tool_calls` holds the parsed calls and
         `result.text` the rest."""
-        stream = self.stream(prompt, params, **_given(locals()))
+        job = self._job(prompt, params, _given(locals()))
+        job.shows_text = False  # nobody sees the deltas: a fault after some text can still be retried
+        stream = self._open(job)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -472,7 +475,9 @@ class Ensemble:
                tool_choice: Any = UNSET, response_format: Any = UNSET, timeout: float | None = UNSET,
                max_retries: int = UNSET, trace: bool = UNSET) -> TextStream:
         """Text deltas as they are decided; the stream's `.result` holds usage and stats at the end."""
-        job = self._job(prompt, params, _given(locals()))
+        return self._open(self._job(prompt, params, _given(locals())))
+
+    def _open(self, job: _Job) -> TextStream:
         items: "queue.Queue" = queue.Queue()
         cancel = threading.Event()
         self._submit(job, lambda kind, payload: items.put((kind, payload)), cancel)
@@ -484,7 +489,9 @@ class Ensemble:
                         tools: Sequence[dict] | None = UNSET, tool_choice: Any = UNSET, response_format: Any = UNSET,
                         timeout: float | None = UNSET, max_retries: int = UNSET, trace: bool = UNSET) -> GenerationResult:
         """`generate` for asyncio: never blocks the event loop."""
-        stream = self.astream(prompt, params, **_given(locals()))
+        job = self._job(prompt, params, _given(locals()))
+        job.shows_text = False
+        stream = self._aopen(job)
         async for _ in stream:
             pass
         assert stream.result is not None
@@ -496,7 +503,9 @@ class Ensemble:
                 tool_choice: Any = UNSET, response_format: Any = UNSET, timeout: float | None = UNSET,
                 max_retries: int = UNSET, trace: bool = UNSET) -> AsyncTextStream:
         """`stream` for asyncio: `async for delta in engine.astream(...)`."""
-        job = self._job(prompt, params, _given(locals()))
+        return self._aopen(self._job(prompt, params, _given(locals())))
+
+    def _aopen(self, job: _Job) -> AsyncTextStream:
         loop = asyncio.get_running_loop()
         items: "asyncio.Queue" = asyncio.Queue()
         cancel = threading.Event()
@@ -553,7 +562,7 @@ class Ensemble:
 
     def _attempts(self, job: _Job, sink: Callable, cancel: threading.Event) -> GenerationResult:
         """Run the request; an internal fault (GenerationError) is retried up to
-        `max_retries` times under the same deadline, unless text was already streamed."""
+        `max_retries` times under the same deadline, unless a stream already showed text."""
         sent = [False]
 
         def emit(delta: str) -> None:
@@ -575,13 +584,18 @@ class Ensemble:
                 if attempt:
                     result.stats["retries"] = attempt
                 return result
+            except GenerationError as exc:  # a fault inside generation (e.g. a member's Ray actor died)
+                if (sent[0] and job.shows_text) or attempt == retries:
+                    if attempt:
+                        raise GenerationError(f"{exc} (after {attempt} retries)") from exc
+                    raise
             except EnsembleError:
                 raise
             except Exception as exc:  # noqa: BLE001 - surfaced to the caller, the worker lives on
                 err = GenerationError(f"generation failed: {type(exc).__name__}: {exc}"
                                       + (f" (after {attempt} retries)" if attempt else ""))
                 err.__cause__ = exc
-                if sent[0] or attempt == retries:
+                if (sent[0] and job.shows_text) or attempt == retries:
                     raise err from exc
         raise AssertionError("unreachable")
 

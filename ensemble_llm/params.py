@@ -37,7 +37,7 @@ class GenerationParams:
     or OpenAI's {"type": "json_object"} / {"type": "json_schema", "json_schema": {"schema": ...}}.
     timeout: seconds from submission (queue wait included) after which the request stops with
     RequestTimeout. max_retries: times an internal fault (GenerationError) is retried under the
-    same deadline when no text was streamed yet. trace: put the method's decisions (which member
+    same deadline (by a stream only before it showed text). trace: put the method's decisions (which member
     wrote which span, where the ensemble decided) in `result.stats["trace"]`.
     """
 

@@ -139,6 +139,24 @@ def test_ray_actor_killed_mid_stream(cluster, tiny_pair):
     assert remote.generate(PROMPT, max_new_tokens=12).text == want
 
 
+def test_ray_actor_killed_mid_request_is_retried(cluster, tiny_pair):
+    """max_retries covers a dead member: the retry waits for Ray's restart and gives the local text."""
+    import threading
+
+    want = pair(tiny_pair, "unite", "local").generate(PROMPT, max_new_tokens=200).text
+    remote = pair(tiny_pair, "unite", "ray")
+    victim = remote.members[0]
+    start, out = victim.round_trips, {}
+    worker = threading.Thread(target=lambda: out.update(res=remote.generate(PROMPT, max_new_tokens=200,
+                                                                             max_retries=1)))
+    worker.start()
+    while victim.round_trips < start + 10:  # the request is under way on the victim
+        time.sleep(0.005)
+    ray.kill(victim.actor, no_restart=False)
+    worker.join(timeout=120)
+    assert out["res"].text == want and out["res"].stats["retries"] == 1
+
+
 def test_ray_unplaceable_resources_fail_at_load(cluster, tiny_pair):
     engine = Ensemble(tiny_pair, "unite", progress=False, placement="ray", member_resources={"num_gpus": 1})
     t = time.perf_counter()

@@ -97,6 +97,15 @@ def test_max_retries_never_repeats_streamed_text(tiny_dirs, monkeypatch):
     assert pieces  # text went out, so the fault was not retried (it would repeat that text)
 
 
+def test_generate_retries_a_fault_after_some_text(tiny_dirs, monkeypatch):
+    """generate() shows no deltas, so a fault after a few tokens is still retried (a stream's is not)."""
+    eng = Ensemble([tiny_dirs["smol"]]).load()
+    want = eng.generate("hi", max_new_tokens=10)
+    calls = _flaky_extend(monkeypatch, {5})
+    got = eng.generate("hi", max_new_tokens=10, max_retries=1)
+    assert calls["n"] > 5 and got.text == want.text and got.stats["retries"] == 1
+
+
 def test_retries_share_one_deadline(tiny_dirs, monkeypatch):
     eng = Ensemble([tiny_dirs["smol"]]).load()
     real = Member.extend

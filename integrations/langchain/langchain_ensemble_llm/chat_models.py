@@ -138,7 +138,7 @@ class EnsembleLLM(BaseChatModel):
     """Seconds a call may run before it raises `ensemble_llm.RequestTimeout` (None: no limit)."""
     max_retries: int = Field(default=0, ge=0, le=100)
     """Times a call that failed inside generation (`ensemble_llm.GenerationError`) is run again,
-    within the same `timeout`, when no text had been streamed yet."""
+    within the same `timeout` (a streamed call only before it showed text)."""
     streaming: bool = False
     base_url: str | None = None
     """Client mode: the URL of a served ensemble (`ensemble-llm serve`), e.g.

@@ -115,7 +115,7 @@ class EnsembleLLM(FunctionCallingLLM):
     timeout: Optional[float] = Field(default=None, gt=0, description="Seconds a call may run.")
     max_retries: int = Field(default=0, ge=0, le=100, description=(
         "Times a call that failed inside generation (GenerationError) is run again, within the same "
-        "timeout, when no text had been streamed yet."))
+        "timeout (a streamed call only before it showed text)."))
     base_url: Optional[str] = Field(default=None, description=(
         "Client mode: the URL of a served ensemble (`ensemble-llm serve`), e.g. http://127.0.0.1:8000/v1."))
     api_key: Optional[SecretStr] = Field(default=None, description="The served ensemble's API key (client mode).")
