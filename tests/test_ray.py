@@ -171,6 +171,25 @@ def test_ray_unplaceable_resources_fail_at_load(cluster, tiny_pair):
         engine.load()
 
 
+def test_ray_member_that_cannot_load_fails_at_load_and_frees_its_place(cluster, tiny_pair, tmp_path):
+    """A folder that looks right but whose weights are garbage fails inside its actor: a ConfigError
+    naming the member, and nothing stays reserved (the next placement of a good pair works)."""
+    import shutil
+
+    bad = tmp_path / "broken_model"
+    shutil.copytree(tiny_pair[0], bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file" * 100)
+    free = ray.available_resources().get("CPU", 0)
+    engine = Ensemble([str(bad), tiny_pair[1]], "unite", progress=False, placement="ray", member_resources=RES)
+    with pytest.raises(ConfigError, match="'broken_model' could not load in its Ray actor"):
+        engine.load()
+    deadline = time.time() + 20
+    while ray.available_resources().get("CPU", 0) < free and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) >= free
+    assert pair(tiny_pair, "unite", "ray").generate("Hello", max_new_tokens=4).text is not None
+
+
 def test_placement_arguments_are_checked(tiny_pair):
     with pytest.raises(ConfigError, match="placement must be 'local'"):
         Ensemble(tiny_pair, "unite", placement="rey")

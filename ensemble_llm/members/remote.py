@@ -477,6 +477,7 @@ class RayMember(TokenizerView):
 
     def __init__(self, actor, info: dict, tokenizer, *, spec: str, resources: dict) -> None:
         self.actor, self.spec, self.resources = actor, spec, resources
+        self.placement_group = None  # the Ray placement group its bundle belongs to
         self._init_tokens(info["name"], tokenizer, info["vocab_size"], info["eos_ids"], info["source"])
         self.context_window = int(info["context_window"])
         self.n_params = int(info["n_params"])
@@ -794,14 +795,26 @@ def place_members(specs: Sequence[str], names: Sequence[str], *, ray_address: st
                 ).remote(specs[i], str(dtype), None if cache_dir is None else str(cache_dir),
                          trust_remote_code, threads)
                 made.append((i, actor, actor.info.remote()))
-            for i, actor, info_ref in made:
-                try:
-                    info = ray.get(info_ref)
-                except ray.exceptions.RayActorError as exc:
-                    raise ConfigError(f"member {names[i]!r} could not load in its Ray actor: {exc}") from exc
-                _ACTORS[keys[i]] = RayMember(actor, info, actor_tokenizer(actor, cache_dir), spec=specs[i],
-                                             resources=bundles[i])
-                log.info("placed %s on a Ray actor (%s, %s)", names[i], info["device"], bundles[i])
+            placed = []
+            try:
+                for i, actor, info_ref in made:
+                    try:
+                        info = ray.get(info_ref)
+                    except ray.exceptions.RayActorError as exc:
+                        raise ConfigError(f"member {names[i]!r} could not load in its Ray actor: {exc}") from exc
+                    member = RayMember(actor, info, actor_tokenizer(actor, cache_dir), spec=specs[i],
+                                       resources=bundles[i])
+                    member.placement_group = pg
+                    placed.append((keys[i], member))
+                    log.info("placed %s on a Ray actor (%s, %s)", names[i], info["device"], bundles[i])
+            except BaseException:  # no half-placed ensemble: free the actors and their reservation
+                for _, actor, _ in made:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor, no_restart=True)
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+                raise
+            _ACTORS.update(placed)
         return [_ACTORS[k] for k in keys]
 
 
@@ -835,8 +848,16 @@ def _alive(member: RayMember) -> bool:
 def clear_actors() -> None:
     """Kill every member actor this process placed (the next ray engine places them again)."""
     ray = _ray()
+    from ray.util.placement_group import remove_placement_group
+
     with _ACTORS_LOCK:
+        groups = {}
         for m in _ACTORS.values():
             with contextlib.suppress(Exception):
                 ray.kill(m.actor, no_restart=True)
+            if m.placement_group is not None:
+                groups[m.placement_group.id] = m.placement_group
+        for pg in groups.values():
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
         _ACTORS.clear()
