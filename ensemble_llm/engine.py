@@ -141,6 +141,11 @@ class _Unset:
 UNSET: Any = _Unset()  # a keyword the caller did not give (its value comes from `params` or the default)
 
 
+# the constructor's keyword options after members / method / config; the facades mirror them as fields
+ENGINE_OPTIONS = ("device", "dtype", "cache_dir", "trust_remote_code", "progress", "placement", "ray_address",
+                  "member_resources")
+
+
 def _given(scope: dict[str, Any]) -> dict[str, Any]:
     """The settings among a public method's keywords that the caller gave."""
     return {k: scope[k] for k in PARAM_FIELDS if k in scope and scope[k] is not UNSET}

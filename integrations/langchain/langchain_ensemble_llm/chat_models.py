@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from ensemble_llm import Ensemble, GenerationParams
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.chat import check_tool_choice, content_text
-from ensemble_llm.engine import GenerationResult
+from ensemble_llm.engine import ENGINE_OPTIONS, GenerationResult
 from ensemble_llm.stopping import stop_list
 
 # per-call keyword arguments that LangChain or its agents may pass and that we understand
@@ -157,10 +157,7 @@ class EnsembleLLM(BaseChatModel):
         else:
             # Ensemble validates members, method, config and devices and names the bad one
             self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
-                                                   device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
-                                                   trust_remote_code=self.trust_remote_code, progress=self.progress,
-                                                   placement=self.placement, ray_address=self.ray_address,
-                                                   member_resources=self.member_resources)
+                                                   **{k: getattr(self, k) for k in ENGINE_OPTIONS})
             self.members = self.engine.model_names
             self.method = self.engine.method_name
         if self.profile is None:

@@ -31,7 +31,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 from ensemble_llm import Ensemble, GenerationParams
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.chat import check_tool_choice
-from ensemble_llm.engine import GenerationResult
+from ensemble_llm.engine import ENGINE_OPTIONS, GenerationResult
 from ensemble_llm.stopping import stop_list
 
 _ROLES = {
@@ -133,10 +133,7 @@ class EnsembleLLM(FunctionCallingLLM):
             return self
         # Ensemble validates members, method, config and devices and names the bad one
         self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
-                                               device=self.device, dtype=self.dtype, cache_dir=self.cache_dir,
-                                               trust_remote_code=self.trust_remote_code, progress=self.progress,
-                                               placement=self.placement, ray_address=self.ray_address,
-                                               member_resources=self.member_resources)
+                                               **{k: getattr(self, k) for k in ENGINE_OPTIONS})
         self.members = self.engine.model_names
         self.method = self.engine.method_name
         return self
