@@ -607,7 +607,7 @@ class Ensemble:
     # ---- one request: a pipeline of named steps --------------------------------------------------
     def _execute(self, job: _Job, emit: Callable[[str], None], cancel: threading.Event) -> GenerationResult:
         t0 = time.perf_counter()
-        before = [m.counters() + (getattr(m, "round_trips", 0),) for m in self.members]
+        before = [m.counters() for m in self.members]
         out, choice, retried = _Output(emit, t0), job.params.tool_choice, None
         while True:
             texts, stops = self._prompts(job, choice)
@@ -702,11 +702,11 @@ class Ensemble:
         stats["members"] = {}
         moved = 0
         for m, (n0, t0, p0, b0, r0) in zip(members, before):
-            n, t, p, b = m.counters()
+            n, t, p, b, r = m.counters()
             stats["members"][m.name] = {"forward_passes": n - n0, "forward_time_s": round(t - t0, 4),
                                         "prefills": p - p0}
             if self.placement == "ray":  # payload bytes to and from the member's actor, waits for its answers
-                stats["members"][m.name].update(bytes_moved=b - b0, round_trips=m.round_trips - r0 - 1)
+                stats["members"][m.name].update(bytes_moved=b - b0, round_trips=r - r0)
                 moved += b - b0
         if self.placement == "ray":
             stats["bytes_moved"] = moved

@@ -165,9 +165,10 @@ class Member(TokenizerView):
     def __repr__(self) -> str:
         return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
 
-    def counters(self) -> tuple[int, float, int, int]:
-        """(forward passes, seconds in them, prefills, bytes moved to and from another process: 0)."""
-        return self.n_forward, self.forward_time, self.n_prefill, 0
+    def counters(self) -> tuple[int, float, int, int, int]:
+        """(forward passes, seconds in them, prefills, bytes moved to and from another process and
+        waits for its answers: 0 and 0 here)."""
+        return self.n_forward, self.forward_time, self.n_prefill, 0, 0
 
     # ---- forwards ------------------------------------------------------------------------
     def _forward(self, **kw) -> torch.Tensor:

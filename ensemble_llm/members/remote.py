@@ -494,14 +494,15 @@ class RayMember(TokenizerView):
         return f"RayMember({self.name!r}, actor device={self.actor_device}, dtype={self.dtype})"
 
     # ---- calls ---------------------------------------------------------------------------
-    def _submit(self, op: str, *args):
+    def _submit(self, op: str, *args, count: bool = True):
         dead = []
         while True:
             try:
                 dead.append(self._dead.popleft())
             except IndexError:
                 break
-        self.bytes_moved += payload_bytes(args) + 8 * len(dead)
+        if count:
+            self.bytes_moved += payload_bytes(args) + 8 * len(dead)
         return self.actor.call.remote(op, args, dead)
 
     def _ask(self, op: str, *args) -> Pending:
@@ -514,7 +515,7 @@ class RayMember(TokenizerView):
             check()
         return self._submit(op, *args)
 
-    def _get_raw(self, ref, check) -> Any:
+    def _get_raw(self, ref, check, count: bool = True) -> Any:
         ray = _ray()
         while True:
             try:
@@ -523,8 +524,9 @@ class RayMember(TokenizerView):
             except ray.exceptions.GetTimeoutError:
                 if check is not None:
                     check()  # raises past the request's deadline or when its caller went away
-        self.bytes_moved += payload_bytes(out)
-        self.round_trips += 1
+        if count:
+            self.bytes_moved += payload_bytes(out)
+            self.round_trips += 1
         return out
 
     def _get(self, ref) -> Any:
@@ -539,13 +541,14 @@ class RayMember(TokenizerView):
             cause = exc.as_instanceof_cause()
             raise GenerationError(f"member {self.name!r} (Ray actor) failed: {cause}") from exc
 
-    def counters(self) -> tuple[int, float, int, int]:
-        """(forwards, forward seconds, prefills, bytes moved) so far, read from the actor once every
-        call queued before has run. The engine reads them first thing in every request, so this
-        is also where a request waits for an actor Ray is restarting (within its deadline)."""
+    def counters(self) -> tuple[int, float, int, int, int]:
+        """(forwards, forward seconds, prefills, bytes moved, round trips) so far, read from the actor
+        once every call queued before has run; this read itself is not counted. The engine reads
+        them first thing in every request, so this is also where a request waits for an actor Ray
+        is restarting (within its deadline)."""
         self._known = self._ready("counters")
         n, t, p = self._known
-        return n, t, p, self.bytes_moved
+        return n, t, p, self.bytes_moved, self.round_trips
 
     def _ready(self, op: str, *args) -> Any:
         """`op`'s answer once the actor is up: while Ray restarts it (after a crash) calls are
@@ -554,7 +557,7 @@ class RayMember(TokenizerView):
         check = current_guard()
         while True:
             try:
-                return self._get_raw(self._submit(op, *args), check)
+                return self._get_raw(self._submit(op, *args, count=False), check, count=False)
             except ray.exceptions.ActorUnavailableError:
                 if check is not None:
                     check()
