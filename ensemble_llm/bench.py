@@ -48,7 +48,11 @@ SPEED_PROMPTS = [
 ]
 # the defaults of `ensemble-llm bench`: about 35 minutes for the bundled pair on 2 CPU cores
 DEFAULT_METHODS = ("single", "unite", "safe", "specfuse", "smc:n_particles=4")
-BUNDLED_TASKS = ("qa_wikidata", "periodic_elements", "tense", "chat_facts")
+# the multi-task dev suite (BIG-bench, generative, exact match): `--tasks suite` runs all seven
+SUITE = ("qa_wikidata", "periodic_elements", "tense", "plural", "question_formation", "de_past_tense",
+         "object_counting")
+BUNDLED_TASKS = SUITE + ("chat_facts",)
+BOOTSTRAP = 2000  # paired-bootstrap resamples for the 95% intervals
 CHAT_TOKENS = 48  # budget of a chat-task answer
 DEFAULT_TASKS = ("qa_wikidata:100", "chat_facts:45")
 
@@ -181,6 +185,73 @@ def resolve_task(item: str, default_n: int) -> tuple[Path, int]:
     return path, n
 
 
+def resolve_tasks(items: Sequence[str], default_n: int) -> list[tuple[Path, int]]:
+    """Task items; 'suite' or 'suite:N' stands for the seven suite tasks (N examples each)."""
+    out = []
+    for item in items:
+        name, sep, tail = item.partition(":")
+        if name == "suite":
+            out += [resolve_task(f"{t}{sep}{tail}", default_n) for t in SUITE]
+        else:
+            out.append(resolve_task(item, default_n))
+    return out
+
+
+def bootstrap_diff(a: dict[str, Sequence[int]], b: dict[str, Sequence[int]], *, resamples: int = BOOTSTRAP,
+                   seed: int = 0) -> dict[str, float]:
+    """Paired bootstrap of the pooled accuracy difference a - b (in points, 0-100) over the tasks'
+    examples: each resample draws every task's examples with replacement (stratified by task, so
+    the task mix stays fixed), the same draws for a and b. Returns the difference and its 95%
+    percentile interval."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    diffs = [np.asarray(a[t], dtype=float) - np.asarray(b[t], dtype=float) for t in a]
+    n = sum(len(d) for d in diffs)
+    if not n:
+        return {"diff": 0.0, "low": 0.0, "high": 0.0, "examples": 0}
+    total = np.zeros(resamples)
+    for d in diffs:
+        if len(d):
+            total += d[rng.integers(0, len(d), size=(resamples, len(d)))].sum(axis=1)
+    boot = 100.0 * total / n
+    return {"diff": round(100.0 * float(sum(d.sum() for d in diffs)) / n, 2),
+            "low": round(float(np.percentile(boot, 2.5)), 2), "high": round(float(np.percentile(boot, 97.5)), 2),
+            "examples": n}
+
+
+def compare_to_members(quality: dict[str, dict]) -> dict[str, Any]:
+    """Every ensemble method against the members alone, on the few-shot tasks: the pooled
+    difference to the best single member (best pooled), to a per-task router (the better member
+    on each task, chosen on the same data: an oracle a method has to match), and per task to
+    that task's best member, each with a paired-bootstrap 95% interval (points)."""
+    tasks = [t for t, q in quality.items() if not q["chat"]]
+    if not tasks:
+        return {}
+    hits = {t: quality[t]["hits"] for t in tasks}
+    labels = list(hits[tasks[0]])
+    singles = [k for k in labels if k.startswith("single-")]
+    if not singles:
+        return {}
+    score = {k: sum(sum(hits[t][k]) for t in tasks) for k in labels}
+    best = max(singles, key=lambda k: (score[k], k))
+    router = {t: hits[t][max(singles, key=lambda k: (sum(hits[t][k]), k))] for t in tasks}
+    out: dict[str, Any] = {"tasks": tasks, "best_single": best,
+                           "router_correct": sum(sum(v) for v in router.values()), "methods": {}}
+    for k in labels:
+        if k in singles:
+            continue
+        mine = {t: hits[t][k] for t in tasks}
+        row = {"vs_best_single": bootstrap_diff(mine, {t: hits[t][best] for t in tasks}),
+               "vs_router": bootstrap_diff(mine, router), "per_task": {}}
+        for t in tasks:
+            task_best = max(singles, key=lambda s: (sum(hits[t][s]), s))
+            row["per_task"][t] = {"best_single": task_best,
+                                  **bootstrap_diff({t: mine[t]}, {t: hits[t][task_best]})}
+        out["methods"][k] = row
+    return out
+
+
 def load_task(path: Path, n: int) -> tuple[str, list[dict]]:
     try:
         lines = [json.loads(x) for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
@@ -273,6 +344,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
         repeating = dict.fromkeys(engines, 0)
         seconds = dict.fromkeys(engines, 0.0)
         samples: dict[str, list] = {k: [] for k in engines}
+        hits: dict[str, list[int]] = {k: [] for k in engines}  # per example, for the paired bootstrap
         for ex in exs:
             prompt = shots + f"Q: {ex['input'].strip()}\nA:"
             gold = {norm(t) for t in ex["targets"]}
@@ -286,6 +358,7 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
                 ok = contains_answer(out, ex["targets"]) if chat else norm(out) in gold
                 repeating[key] += chat and repeats(out)
                 right[key] += ok
+                hits[key].append(int(ok))
                 if len(samples[key]) < 3:
                     samples[key].append({"input": ex["input"], "output": out.strip(), "correct": ok})
                 bar.update()
@@ -293,7 +366,8 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
         quality[task] = {"examples": len(exs), "max_new_tokens": budget, "chat": chat,
                          "accuracy": {k: v / max(1, len(exs)) for k, v in right.items()},
                          "correct": right, "repeating": repeating if chat else None,
-                         "seconds": {k: round(v, 2) for k, v in seconds.items()}, "samples": samples}
+                         "seconds": {k: round(v, 2) for k, v in seconds.items()}, "samples": samples,
+                         "hits": hits}
     bar.close()
     total_s = time.perf_counter() - t_start
 
@@ -344,6 +418,8 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
     add_main_ratios(results, [m.name for m in first])
     results["samples"] = {t: q["samples"] for t, q in quality.items()}
+    results["hits"] = {t: q["hits"] for t, q in quality.items()}
+    results["comparison"] = compare_to_members(quality)
     return results
 
 
@@ -419,7 +495,32 @@ def markdown(results: dict) -> str:
               "fwd/token, fwd/byte: forward passes per output token or UTF-8 byte, one "
               "figure per member (a batched forward counts once). "
               "Peak MB: CUDA allocator peak on GPU; on CPU the process's resident memory, models included."]
+    lines += comparison_markdown(results.get("comparison") or {})
     return "\n".join(lines) + "\n"
+
+
+def comparison_markdown(cmp: dict[str, Any]) -> list[str]:
+    """The few-shot tasks: each ensemble against the best member, the per-task router and, per
+    task, that task's best member (differences in points, paired-bootstrap 95% intervals)."""
+    if not cmp or not cmp.get("methods"):
+        return []
+    tasks = cmp["tasks"]
+
+    def cell(d: dict) -> str:
+        return f"{d['diff']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]"
+
+    first = next(iter(cmp["methods"].values()))
+    n = first["vs_best_single"]["examples"]
+    lines = ["", f"## Against the members alone ({n} few-shot examples pooled)", "",
+             f"Points of accuracy, paired-bootstrap 95% interval in brackets. Best member pooled: "
+             f"{cmp['best_single']}; the per-task router (the better member on each task, chosen on these "
+             f"data) gets {cmp['router_correct']}/{n}. Per task: against that task's best member.", "",
+             "| method | vs best member | vs per-task router | " + " | ".join(tasks) + " |",
+             "|" + "---|" * (3 + len(tasks))]
+    for label, row in cmp["methods"].items():
+        lines.append(f"| {label} | {cell(row['vs_best_single'])} | {cell(row['vs_router'])} | "
+                     + " | ".join(cell(row["per_task"][t]) for t in tasks) + " |")
+    return lines
 
 
 def plots(results: dict, out: Path) -> list[Path]:

@@ -100,7 +100,7 @@ def _cmd_bench(args) -> int:
     import importlib.util
 
     from . import DEFAULT_MODELS
-    from .bench import resolve_task, run_bench, write
+    from .bench import resolve_tasks, run_bench, write
 
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     if importlib.util.find_spec("matplotlib") is None:
@@ -108,7 +108,7 @@ def _cmd_bench(args) -> int:
         return 2
 
     def run(specs):
-        tasks = [] if args.no_tasks else [resolve_task(t, args.examples) for t in (args.tasks or DEFAULT_TASKS)]
+        tasks = [] if args.no_tasks else resolve_tasks(args.tasks or DEFAULT_TASKS, args.examples)
         return run_bench(models, specs, tasks, speed_prompts=args.speed_prompts, max_new_tokens=args.max_new_tokens,
                          third_member=args.third_member, device=args.device, progress=not args.quiet,
                          preambles=not args.no_preamble)
@@ -169,7 +169,7 @@ def _cmd_serve(args) -> int:
     return 0
 
 
-from .bench import DEFAULT_METHODS, DEFAULT_TASKS  # noqa: E402  (light: no model code runs at import)
+from .bench import DEFAULT_METHODS, DEFAULT_TASKS, SUITE  # noqa: E402  (light: no model code runs at import)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    help=f"default: {' '.join(DEFAULT_METHODS)}")
     b.add_argument("--tasks", nargs="+", default=None,
-                   help="bundled task names or files in the BIG-bench jsonl format, each optionally NAME:N "
+                   help="bundled task names or files in the BIG-bench jsonl format, each optionally NAME:N; "
+                        "'suite[:N]' is the seven-task dev suite (" + " ".join(SUITE) + ") "
                         f"(default: {' '.join(DEFAULT_TASKS)}, bundled BIG-bench dev samples)")
     b.add_argument("--no-tasks", action="store_true", help="speed figures only")
     b.add_argument("--examples", type=int, default=20, help="scored examples of a task given without :N")

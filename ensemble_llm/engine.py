@@ -22,6 +22,7 @@ import torch
 from .chat import (BASE_PREAMBLE, ToolCall, ToolTextFilter, call_key, check_preamble, content_text, history_calls,
                    member_messages, with_preamble)
 from .constraints import Guide
+from .evidence import answer_spans, chat_spans, posterior, span_positions
 from .errors import ConfigError, EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
 from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolve_dtype, resolve_source
 from .members.loader import local_dir
@@ -614,6 +615,7 @@ class Ensemble:
             weights, main = self.member_weights("raw" if job.params.raw else "chat")
             job.check_deadline()  # calibrating may have used it up
             run = self._run(job, texts, stops, weights, main, out, cancel)
+            weights, main = run.req.weights, run.req.main  # this request's own (evidence.py)
             calls, again = self._tool_policy(job, run, choice)
             if not again:
                 break
@@ -651,6 +653,8 @@ class Ensemble:
                 raise RequestError(f"the prompt is {len(ids)} tokens for {m.name}, whose context window is "
                                    f"{m.context_window}; shorten the prompt or drop that member.")
             room.append(m.context_window - len(ids))
+        run_notes: dict[str, Any] = {}
+        weights, main = self._request_weights(job, texts, prompt_ids, weights, main, run_notes)
         generator = torch.Generator()
         generator.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         req = Request(prompt_ids, min(p.max_new_tokens, *room), p.temperature, p.top_p, generator, stop=list(stops),
@@ -658,7 +662,7 @@ class Ensemble:
                       trace=[] if p.trace else None)
         # holds back tool-call markup and passes content through; with tool_choice "none" a call
         # the model writes anyway (imitating its history) is cut from the content, not returned
-        run = _Run(req, ToolTextFilter(list(p.tools) if p.tools else None))
+        run = _Run(req, ToolTextFilter(list(p.tools) if p.tools else None), notes=run_notes)
         matcher = StopMatcher(stops)
         gen = self._method.run(req)
         try:
@@ -674,6 +678,36 @@ class Ensemble:
         run.tail, run.text, run.calls = run.filter.finish()
         out.send(run.tail)
         return run
+
+    def _request_weights(self, job: _Job, texts: list[str], prompt_ids: list[list[int]], prior: list[float],
+                         main: int, notes: dict[str, Any]) -> tuple[list[float], int]:
+        """With weights="auto", this request's member weights and main member: the calibrated
+        prior updated by how well each member explains the answers the prompt already shows
+        (evidence.py; scored in the prompt's own prefill). Other weight settings, one member, a
+        prompt that shows no answer: the given weights and main member, unchanged."""
+        method, members = self._method, self.members
+        given = method.member_weights()
+        if not (isinstance(given, str) and given == "auto") or len(members) < 2 or method.name == "single":
+            return prior, main
+        answers = [] if job.params.raw or isinstance(job.prompt, str) else [
+            content_text(m.get("content")) for m in job.prompt if m.get("role") == "assistant"]
+        plans = []
+        for m, text, ids in zip(members, texts, prompt_ids):
+            spans = answer_spans(text) if job.params.raw else chat_spans(text, answers)
+            toks, ends = m.encode_with_offsets(text)
+            offset = len(ids) - len(toks)
+            positions = span_positions(ends, spans, offset) if spans and offset >= 0 and ids[offset:] == toks else []
+            if not positions:
+                return prior, main
+            plans.append((positions, len(spans)))
+        # each shown answer is one observation of a member's competence: the mean log-prob per answer
+        evidence = [float(sum(m.score_prompt(ids, pos))) / n for m, ids, (pos, n) in zip(members, prompt_ids, plans)]
+        weights = posterior(prior, evidence)
+        given_main = method.main_member()
+        main = given_main if given_main is not None else max(range(len(members)), key=lambda i: (weights[i], -i))
+        notes["evidence"] = {m.name: round(e, 3) for m, e in zip(members, evidence)}
+        notes["evidence_positions"] = {m.name: len(p) for m, (p, _) in zip(members, plans)}
+        return weights, main
 
     @staticmethod
     def _tool_policy(job: _Job, run: "_Run", tool_choice: str) -> tuple[list[ToolCall], bool]:

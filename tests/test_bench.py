@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ensemble_llm import ConfigError
-from ensemble_llm.bench import (BUNDLED_TASKS, bundled_task, load_task, markdown, norm, parse_methods,
+from ensemble_llm.bench import (BUNDLED_TASKS, SUITE, bundled_task, load_task, markdown, norm, parse_methods,
                                 resolve_task, run_bench, write)
 from ensemble_llm.cli import main
 
@@ -69,7 +69,39 @@ def test_run_writes_table_json_and_plots(tiny_dirs, tmp_path):
     for name in ("quality_vs_time.png", "time_vs_members.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and tmp_path / name in paths
     table = markdown(res)
-    assert table.count("\n| ") == 5 and "smc:n_particles=2" in table
+    main_table = table.split("## Against the members alone")[0]
+    assert main_table.count("\n| ") == 5 and "smc:n_particles=2" in main_table
+    cmp = res["comparison"]  # every ensemble against the members, from the same per-example hits
+    assert set(cmp["methods"]) == {"safe", "smc:n_particles=2"} and cmp["tasks"] == ["qa_wikidata"]
+    hits = res["hits"]["qa_wikidata"]
+    best = cmp["best_single"]
+    assert cmp["methods"]["safe"]["vs_best_single"]["diff"] == pytest.approx(
+        100 * (sum(hits["safe"]) - sum(hits[best])) / 2, abs=0.01)
+    assert "| safe | " in table.split("## Against the members alone")[1]
+
+
+def test_bootstrap_interval_against_brute_force():
+    import itertools
+
+    import numpy as np
+
+    from ensemble_llm.bench import bootstrap_diff, resolve_tasks
+
+    a = {"t1": [1, 0, 1], "t2": [1, 1]}
+    b = {"t1": [0, 0, 1], "t2": [0, 1]}
+    got = bootstrap_diff(a, b, resamples=20000)
+    # every equally likely stratified resample, enumerated: 3^3 draws of t1 times 2^2 of t2
+    d1, d2 = np.array(a["t1"]) - np.array(b["t1"]), np.array(a["t2"]) - np.array(b["t2"])
+    sums = sorted(100 * (d1[list(i)].sum() + d2[list(j)].sum()) / 5
+                  for i in itertools.product(range(3), repeat=3) for j in itertools.product(range(2), repeat=2))
+    assert got["diff"] == pytest.approx(40.0) and got["examples"] == 5
+    assert got["low"] == pytest.approx(np.percentile(sums, 2.5), abs=20.0 / 5)
+    assert got["high"] == pytest.approx(np.percentile(sums, 97.5), abs=20.0 / 5)
+    same = bootstrap_diff(a, a)
+    assert same == {"diff": 0.0, "low": 0.0, "high": 0.0, "examples": 5}
+    suite = resolve_tasks(["suite:7", "qa_wikidata:2"], 20)
+    assert [p.stem.removesuffix("_dev") for p, _ in suite][:7] == list(SUITE) and suite[0][1] == 7
+    assert all(load_task(p, n)[1] for p, n in suite)
 
 
 def test_cli_rejects_bad_arguments(capsys):

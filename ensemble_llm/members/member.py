@@ -161,6 +161,7 @@ class Member(TokenizerView):
         self.n_forward = 0
         self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
         self.forward_time = 0.0
+        self._ready: KVState | None = None  # a prompt's state that score_prompt ran, for the next prefill
 
     def __repr__(self) -> str:
         return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
@@ -205,11 +206,38 @@ class Member(TokenizerView):
         return logp
 
     def prefill(self, ids: Sequence[int]) -> KVState:
-        """A new state holding `ids` (the prompt); its next_logprobs is ready."""
+        """A new state holding `ids` (the prompt); its next_logprobs is ready. The state that
+        `score_prompt` left for the same ids is handed over instead of running the prompt again."""
+        ready, self._ready = self._ready, None
+        if ready is not None and ready.ids == [int(i) for i in ids]:
+            return ready
         self.n_prefill += 1
         state = self.new_state()
         self.extend(state, ids, last_only=True)
         return state
+
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
+        """log p(ids[p] | ids[:p]) for each position p >= 1, from the prompt's prefill forward
+        (the logits of those rows and of the last one only). The prefilled state is kept for the
+        next `prefill` of the same ids, so a request that scores its prompt runs it once."""
+        if not ids:
+            raise ValueError("score_prompt() needs at least one token id")
+        self._ready = None
+        self.n_prefill += 1
+        state = self.new_state()
+        rows = [p - 1 for p in positions] + [len(ids) - 1]
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self._forward(input_ids=x, cache=state.cache, use_cache=True, logits_to_keep=keep)[0]
+        last = logits[-1:].float()
+        state.ids.extend(int(i) for i in ids)
+        state.next_logits, state.next_logprobs = last[0], torch.log_softmax(last, dim=-1)[0]
+        self._ready = state
+        if not positions:
+            return []
+        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+        tgt = torch.tensor([int(ids[p]) for p in positions], device=logp.device)
+        return logp.gather(1, tgt[:, None])[:, 0].tolist()
 
     @contextlib.contextmanager
     def scratch(self, state: KVState):

@@ -183,6 +183,9 @@ class MemberActor:
     def op_drop_candidates(self, h: int) -> None:
         self.member.drop_candidates(self._state(h))
 
+    def op_score_prompt(self, ids: list[int], positions: list[int]) -> list[float]:
+        return self.member.score_prompt(ids, positions)  # the member keeps the state for the next prefill
+
     def op_target_logprob(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         return self.member.target_logprob(prompt_ids, target_ids)
 
@@ -654,6 +657,11 @@ class RayMember(TokenizerView):
         if state.scored is not None:
             self._submit("drop_candidates", state.handle.id)
             state.scored = None
+
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
+        """`Member.score_prompt` on the actor: the prompt's state stays there for the next prefill."""
+        return Pending(self, self._forward("score_prompt", [int(i) for i in ids],
+                                           [int(p) for p in positions])).get()
 
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
         return Pending(self, self._forward("target_logprob", [int(i) for i in prompt_ids],

@@ -1,0 +1,93 @@
+"""Per-request member weights: what the request itself shows about each member's competence.
+
+A few-shot prompt carries the sharpest evidence there is about which member knows the task: the
+answers it already shows. For member k, the evidence is the mean log-probability of those
+answers' bytes given everything before each of them, per shown answer,
+    e_k = (1/J) sum_j log p_k(answer_j | prompt before answer_j),
+read from the prompt's own prefill (the logits of the answer positions; `TokenLM.score_prompt`),
+so it costs one lm_head product per scored position and no extra forward. Every member scores the
+same bytes, so the figures are comparable across tokenizers.
+
+The request's weights are a tempered posterior of "member k is the one that knows this task", with
+the calibrated weights (`calibrate.py`) as the prior:
+    log w_k = log prior_k + e_k + const.
+The plain posterior (Bayesian model averaging) would add the sum over answers, J * e_k; neither
+member is the true model of the task, and with three shots that sum is overconfident (on
+qa_wikidata's first shots it gave SmolLM2 0.999 where the members are about equal), so each
+answer counts as one observation at learning rate 1/J (a "power posterior"), the geometric mean
+of the answers' likelihoods. A member that explains the shown answers far better still takes
+nearly all the weight (the ensemble follows it where the other member is weak); members that
+explain them about equally keep weights near the prior and are ensembled. A floor keeps every
+member's weight above `FLOOR` so that a weight is never exactly zero.
+
+Where the evidence comes from:
+- raw prompts: the prompt's last line is a label the reply completes ("A:", "Answer:",
+  "German:"); each earlier line that starts with the same label shows an answer: the bytes after
+  the label up to and including the line's newline (`answer_spans`);
+- chat requests: the earlier assistant turns' contents, found in each member's rendered prompt
+  (`chat_spans`).
+A prompt that shows no answer keeps the prior weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+MAX_LABEL = 40  # a label is a short line prefix ("A:", "Answer:", "Past participle:")
+MAX_POSITIONS = 96  # scored positions per member and request (the last answers are kept)
+FLOOR = 1e-3  # the smallest weight a member keeps
+
+
+def answer_spans(text: str) -> list[tuple[int, int]]:
+    """Byte spans [start, end) of the answers a raw few-shot prompt shows (see the module doc)."""
+    head, sep, label = text.rpartition("\n")
+    label = label.rstrip()
+    if not sep or not label.strip() or len(label) > MAX_LABEL:
+        return []
+    spans, pos = [], 0
+    data = head.encode("utf-8") + b"\n"
+    lab = label.encode("utf-8")
+    for line in data.split(b"\n")[:-1]:
+        end = pos + len(line) + 1  # the newline ends the answer: a member that knows when to stop
+        if line.startswith(lab) and line[len(lab):].strip():
+            spans.append((pos + len(lab), end))
+        pos = end
+    return spans
+
+
+def chat_spans(text: str, answers: Sequence[str]) -> list[tuple[int, int]]:
+    """Byte spans of the given assistant contents in a member's rendered chat prompt, in order."""
+    spans, at = [], 0
+    for a in answers:
+        a = a.strip()
+        if not a:
+            continue
+        i = text.find(a, at)
+        if i < 0:
+            continue
+        b0 = len(text[:i].encode("utf-8"))
+        spans.append((b0, b0 + len(a.encode("utf-8"))))
+        at = i + len(a)
+    return spans
+
+
+def span_positions(ends: Sequence[int], spans: Sequence[tuple[int, int]], offset: int) -> list[int]:
+    """Token positions (in the prompt ids, `offset` tokens of BOS before the text's tokens) of the
+    tokens that end inside a span: `ends[j]` is the byte where text token j ends."""
+    out, starts = [], [0] + list(ends[:-1])
+    for j, (s, e) in enumerate(zip(starts, ends)):
+        if any(b0 < e <= b1 and s < b1 for b0, b1 in spans):
+            out.append(j + offset)
+    return [p for p in out if p >= 1][-MAX_POSITIONS:]
+
+
+def posterior(prior: Sequence[float], evidence: Sequence[float], temperature: float = 1.0) -> list[float]:
+    """log w_k = log prior_k + evidence_k / temperature, normalised, floored at FLOOR."""
+    logs = [math.log(max(p, 1e-300)) + e / temperature for p, e in zip(prior, evidence)]
+    top = max(logs)
+    w = [math.exp(x - top) for x in logs]
+    total = sum(w)
+    w = [max(x / total, FLOOR) for x in w]
+    total = sum(w)
+    return [x / total for x in w]
