@@ -18,6 +18,7 @@ schema, so even a 135M model returns a call that parses and validates.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -385,6 +386,8 @@ def tool_call_constraint(tools: list[dict], tool_choice: str):
         {"name": "<tool>", "arguments": <JSON valid under the tool's parameters>}
         </tool_call>
 
+    (the tags optional, the closing one only after the opening one),
+
     llguidance writes the fixed parts without sampling and masks every token that would leave
     the schema, so the call parses and validates whatever the members would have written."""
     from .constraints import Constraint, styled
@@ -404,7 +407,12 @@ def tool_call_constraint(tools: list[dict], tool_choice: str):
         except RequestError as exc:
             raise RequestError(f"tool {fn['name']!r}: {exc}") from None
         schema = styled(params)
-        head = TOOL_OPEN + "\n" + json.dumps({"name": fn["name"]})[:-1] + ', "arguments": '
-        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + chr(10) + TOOL_CLOSE)}")
+        head = json.dumps({"name": fn["name"]})[:-1] + ', "arguments": '
+        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} \"}}\"")
         names.append(f"call_{i}")
-    return Constraint.lark("start: " + " | ".join(names) + "\n" + "\n".join(rules))
+    # the markup is optional: `parse_tool_calls` reads a bare call object too, and a tight budget
+    # (budget-aware closing) then spends its tokens on the call, not on the tags
+    calls = " | ".join(names)
+    return dataclasses.replace(Constraint.lark(
+        f"start: {json.dumps(TOOL_OPEN + chr(10))} call ({json.dumps(chr(10) + TOOL_CLOSE)})? | call\n"
+        f"call: {calls}\n" + "\n".join(rules)), whole=True)

@@ -20,6 +20,7 @@ a matcher (llguidance's `try_consume_tokens`), so a matcher never falls into its
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import re
@@ -40,6 +41,12 @@ HEAL_TOP = 32  # forbidden tokens (the likeliest of a row) whose mass goes to th
 # (free whitespace lets a small model pad forever; fixed separators are forced, not sampled)
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+# budget-aware closing (`Guide.closing`): the shortest completion is searched over the byte matcher
+CLOSE_MARGIN = 1  # tokens kept in reserve beyond the closing's own tokens
+SEARCH_LIMIT = 4000  # matcher states the shortest-completion search may visit
+BUDGET_TRIES = 4  # tokens a member may try at one step before the guide closes instead
+_CLOSERS = b'"}]'  # bytes that end a string, an object, an array: the search takes the first allowed
+_PREFERRED = b'"}]0n1ft[{a '  # then these (short values: 0, null, false, true, [], {}), then by byte
 
 _BYTE_TOKENIZER = None
 _LOCK = threading.Lock()
@@ -205,6 +212,7 @@ class Constraint:
     kind: str
     source: str  # the schema as JSON text, the pattern, the options as JSON, the Lark text
     grammar: str  # llguidance's grammar text
+    whole: bool = False  # a cut match is useless (a forced tool call): refuse a budget it cannot fit
 
     # ---- builders ------------------------------------------------------------------------
     @classmethod
@@ -282,7 +290,7 @@ class Constraint:
                            "'json_schema'.")
 
     def _replace_kind(self, kind: str) -> "Constraint":
-        return Constraint(kind, self.source, self.grammar)
+        return Constraint(kind, self.source, self.grammar, self.whole)
 
     # ---- checks ----------------------------------------------------------------------------
     def check(self) -> None:
@@ -378,6 +386,10 @@ class Guide:
         self.seconds = 0.0  # time spent in the matchers (the constraint's own cost)
         self.healed = 0  # forbidden tokens whose mass went to their longest valid prefix
         self.merged = 0  # allowed tokens whose mass went to the token spelling them + forced bytes
+        self.closed_early = False  # the budget was about to cut the match: its shortest completion was written
+        self.short_by = 0  # tokens the shortest match lacked at the start (it could not fit the budget)
+        self._completions: dict[bytes, bytes | None] = {}
+        self._spelled: dict[tuple[int, bytes], int] = {}
 
     # ---- byte level (unite / SAFE union keys, SMC) ---------------------------------------------
     @_timed
@@ -464,6 +476,153 @@ class Guide:
     def complete(self, text: bytes) -> bool:
         """Whether `text` is a full match after which the grammar allows nothing but the end."""
         return self._bytes.sync(text) and self._bytes.m.is_stopped()
+
+    # ---- budget-aware closing -------------------------------------------------------------
+    # When the budget left is just what the shortest completion of the grammar needs, the method
+    # writes that completion (closes the string, fills the required fields minimally, closes
+    # the object) instead of letting the budget cut the match. The budget counts the main
+    # member's tokens, so a completion is measured in them (`reserve`); a token is only written
+    # when the completion after it still fits (`fits`, `pick`), so closing always fits.
+    @_timed
+    def completion(self, text: bytes) -> bytes | None:
+        """The shortest bytes that complete the grammar after `text` (b"" when it may end here;
+        None when `text` is not allowed or the search gives up).
+
+        llguidance 1.9 has no shortest-completion query (its matcher offers masks, forced bytes,
+        consume/rollback and deep_copy), so this is a best-first search by length over copies
+        of the byte matcher. Forced bytes are taken in one step; where closers (`"`, `}`, `]`)
+        are allowed only they are tried, and inside a string (more than 12 bytes allowed) only
+        the first (string content and digits never shorten a completion); elsewhere the three
+        likeliest-short bytes (an enum's first letters, `0`, `n`ull) are tried, or one byte where
+        more than 12 are allowed. So the result is a short completion, the shortest in the usual
+        JSON cases (tested), not a proven minimum."""
+        if text in self._completions:
+            return self._completions[text]
+        out = None
+        if self._bytes.sync(text):
+            heap = [(0, 0, b"", self._bytes.m.deep_copy())]
+            n, order = 0, 1  # order: a unique tie-break, so matchers are never compared
+            while heap and n < SEARCH_LIMIT:
+                cost, _, suffix, m = heapq.heappop(heap)
+                n += 1
+                if m.is_accepting():
+                    out = suffix
+                    break
+                ff = bytes(m.compute_ff_bytes())
+                if ff:
+                    m.consume_tokens(list(ff))
+                    heapq.heappush(heap, (cost + len(ff), order, suffix + ff, m))
+                    order += 1
+                    continue
+                bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+                allowed = np.flatnonzero(bits[:END]).tolist()
+                closers = [b for b in _CLOSERS if b in allowed]
+                if closers:  # inside a string (many bytes allowed) `"` ends it; elsewhere `]` may beat `"`
+                    tries = closers[:1] if len(allowed) > 12 else closers
+                else:
+                    ranked = [b for b in _PREFERRED if b in allowed] + [b for b in allowed if b not in _PREFERRED]
+                    tries = ranked[: 1 if len(allowed) > 12 else 3]
+                for b in tries:
+                    c = m.deep_copy()
+                    if c.consume_token(b):
+                        heapq.heappush(heap, (cost + 1, order, suffix + bytes([b]), c))
+                        order += 1
+        if len(self._completions) > 256:
+            self._completions.clear()
+        self._completions[text] = out
+        return out
+
+    def spell(self, i: int, data: bytes) -> list[int]:
+        """Member i's tokens for `data`: its tokenization when that spells exactly these bytes,
+        else a greedy longest match over its tokens' bytes."""
+        member = self.members[i]
+        vb = member.vocab_bytes
+        try:
+            ids = member.encode(data.decode("utf-8"))
+            if b"".join(vb[t] for t in ids) == data:
+                return ids
+        except UnicodeDecodeError:
+            pass
+        index = member.vocab.index().by_bytes
+        ids, p = [], 0
+        while p < len(data):
+            for n in range(min(len(data) - p, 32), 0, -1):
+                t = index.get(data[p: p + n])
+                if t is not None:
+                    ids.append(t)
+                    p += n
+                    break
+            else:
+                return ids + [0] * (len(data) - p)  # unspellable bytes: counted one token each
+        return ids
+
+    def reserve(self, i: int, text: bytes) -> int | None:
+        """Member i's tokens the shortest completion after `text` needs, plus `CLOSE_MARGIN`; 0
+        when `text` may end here; None when no completion is known (nothing is reserved)."""
+        tail = self.completion(text)
+        if tail is None:
+            return None
+        if not tail:
+            return 0
+        key = (i, tail)
+        if key not in self._spelled:
+            if len(self._spelled) > 256:
+                self._spelled.clear()
+            self._spelled[key] = len(self.spell(i, tail))
+        return self._spelled[key] + CLOSE_MARGIN
+
+    def fits(self, i: int, text: bytes, left: int) -> bool:
+        """Whether the shortest completion after `text` fits in `left` of member i's tokens."""
+        need = self.reserve(i, text)
+        return need is None or need - CLOSE_MARGIN <= left
+
+    def closing(self, i: int, text: bytes, left: int) -> bytes | None:
+        """With `left` of member i's tokens left after `text`: the bytes of the shortest
+        completion when `left` is no more than it needs (with the margin), for the method to write
+        now (and end, finish_reason "length"); None while there is room to write more."""
+        need = self.reserve(i, text)
+        if not need or need < left:
+            return None
+        self.closed_early = True
+        return self.completion(text)
+
+    def closing_tokens(self, i: int, ids: Sequence[int], left: int) -> list[int] | None:
+        """`closing` for a member writing tokens: its tokens for the completion (see `spell`)."""
+        tail = self.closing(i, self.text_of(i, ids), left)
+        return None if tail is None else self.spell(i, tail)
+
+    def text_of(self, i: int, ids: Sequence[int]) -> bytes:
+        vb = self.members[i].vocab_bytes
+        return b"".join(vb[t] for t in ids)
+
+    def pick(self, i: int, ids: Sequence[int], row: torch.Tensor, left: int, pick) -> int | None:
+        """Member i's next token from its (masked) `row` with `left` tokens of budget left: `pick`
+        (row -> id) chooses, and a token after which the shortest completion would no longer fit
+        is masked and the choice made again, up to `BUDGET_TRIES` times. None: no tried token
+        fits (the method writes the closing instead). EOS always fits."""
+        member = self.members[i]
+        text = self.text_of(i, ids)
+        for _ in range(BUDGET_TRIES):
+            tok = pick(row)
+            if tok in member.eos_ids or self.fits(i, text + member.vocab_bytes[tok], left - 1):
+                return tok
+            row = row.clone()
+            row[tok] = float("-inf")
+            if not bool(torch.isfinite(row).any()):
+                break
+        return None
+
+    def check_budget(self, i: int, budget: int) -> None:
+        """At the start of a run: a `whole` constraint (a forced tool call) whose shortest match
+        needs more of member i's tokens than `budget` is a RequestError saying how many."""
+        need = self.reserve(i, b"")
+        if need is not None and need - CLOSE_MARGIN > budget:
+            self.short_by = need - CLOSE_MARGIN - budget
+            if self.constraint.whole:
+                raise RequestError(
+                    f"the forced tool call needs at least {need - CLOSE_MARGIN} tokens (its shortest form: "
+                    f"{self.completion(b'').decode('utf-8', 'replace')}), but max_tokens is {budget}; raise "
+                    f"max_tokens to {need - CLOSE_MARGIN} or more (a useful call needs room for its arguments).")
 
     # ---- token level (member rows) --------------------------------------------------------
     def _mirror(self, i: int) -> _Mirror:
@@ -570,5 +729,10 @@ class Guide:
         return mirror.m.validate_tokens(list(more))
 
     def stats(self) -> dict[str, Any]:
-        return {"constraint": self.constraint.kind, "masked_rows": self.masked_rows, "forced": self.forced,
-                "healed": self.healed, "merged": self.merged, "constraint_time_s": round(self.seconds, 4)}
+        out = {"constraint": self.constraint.kind, "masked_rows": self.masked_rows, "forced": self.forced,
+               "healed": self.healed, "merged": self.merged, "constraint_time_s": round(self.seconds, 4)}
+        if self.closed_early:
+            out["closed_early"] = True
+        if self.short_by:
+            out["closing_short_by"] = self.short_by  # the budget could not hold even the shortest match
+        return out

@@ -105,8 +105,23 @@ class Safe(Method):
         guide, main, plen = req.guide, req.main, len(dstate.ids)
         text, emit, budget = b"", Emitter(), req.max_new_tokens
         finished, lookahead = False, cfg.lookahead
+        if guide:
+            guide.check_budget(main, budget)
+        must_close = False  # a drafted or chosen token would have left too little for the completion
         while not finished and st.tokens_out < budget:
             forced = guide.forced_tokens(main, dstate.ids[plen:])[: budget - st.tokens_out] if guide else []
+            tail = None
+            if guide and (must_close or not forced):
+                tail = guide.closing(main, text, 0 if must_close else budget - st.tokens_out)
+            if tail is not None or must_close:  # the budget holds just the shortest completion: written now
+                text += tail or b""
+                st.tokens_out += len(guide.spell(main, tail or b""))
+                if trace is not None:
+                    trace.append({"byte": len(text), "reason": "closed", "bytes": len(tail or b"")})
+                piece = emit.take(text)
+                if piece:
+                    yield piece
+                break  # cut by the budget, but closed: finish_reason stays "length"
             if forced:  # the grammar forces these tokens: written without drafting or verifying
                 guide.forced += len(forced)
                 text += b"".join(didx.key_of(t) for t in forced)
@@ -127,9 +142,15 @@ class Safe(Method):
             drafted = text
             for j in range(n):  # 1. draft, up to EOS or a stop string (nothing after either is kept)
                 row = dstate.next_logprobs
-                if guide:  # the drafter writes only what the grammar allows
+                if guide:  # the drafter writes only what the grammar allows, and what leaves room to close
                     row = guide.mask_row(main, dstate.ids[plen:], row)
-                tok = pick_token(row, req.temperature, req.top_p, req.generator)
+                    tok = guide.pick(main, dstate.ids[plen:], row, budget - st.tokens_out - j,
+                                     lambda r: pick_token(r, req.temperature, req.top_p, req.generator))
+                    if tok is None:
+                        must_close = True
+                        break
+                else:
+                    tok = pick_token(row, req.temperature, req.top_p, req.generator)
                 drafts.append((tok, row))
                 if tok in drafter.eos_ids:
                     break
@@ -139,6 +160,8 @@ class Safe(Method):
                     break  # the drafter's cache lacks this token: the request ends with this cycle
                 if st.tokens_out + j + 1 < budget:  # the budget's last token needs no forward
                     drafter.extend(dstate, [tok])
+            if not drafts:  # no token leaves room for the completion: it is written next
+                continue
             keys = [didx.key_of(t) for t, _ in drafts]
             starts, pos = [], len(text)
             for k in keys:
@@ -207,13 +230,16 @@ class Safe(Method):
                 text = full
             else:
                 j, choice = replaced
+                if guide and choice is not EOS and not guide.fits(main, full[: starts[j]] + choice,
+                                                                   budget - st.tokens_out - j - 1):
+                    choice, must_close = b"", True  # the completion would not fit after it: closed instead
                 st.replacements += 1
                 new = full[: starts[j]] + (b"" if choice is EOS else choice)
-                st.tokens_out += j + (0 if choice is EOS else 1)
+                st.tokens_out += j + (0 if choice is EOS or not choice else 1)
                 drafter.crop(dstate, base + j)
                 finished = choice is EOS or req.stop_end(new, len(text)) is not None
                 text = new
-                if not finished and st.tokens_out < budget:
+                if not finished and st.tokens_out < budget and choice:
                     drafter.extend(dstate, didx.ids_for(choice))
             if guide and not finished and guide.complete(text):  # the grammar allows nothing more
                 finished = True

@@ -39,22 +39,38 @@ class Single(Method):
         decoder = IncrementalDecoder(m)
         guide, ids, budget = req.guide, [], req.max_new_tokens
         st = req.stats = RunStats()
+        if guide:
+            guide.check_budget(idx, budget)
+        closed = False
         while len(ids) < budget:
-            new = guide.forced_tokens(idx, ids)[: budget - len(ids)] if guide else []
+            left = budget - len(ids)
+            new = guide.forced_tokens(idx, ids)[:left] if guide else []
             if new:  # the grammar forces these tokens: written without sampling
                 guide.forced += len(new)
+            elif guide and (new := guide.closing_tokens(idx, ids, left)) is not None:
+                closed = True  # the budget holds just the shortest completion: written now
             else:
                 row = guide.mask_row(idx, ids, state.next_logprobs) if guide else state.next_logprobs
-                tok = pick_token(row, req.temperature, req.top_p, req.generator)
-                if tok in m.eos_ids:
-                    req.finish_reason = "stop"
-                    break
-                new = [tok]
+                if guide:  # only a token after which the shortest completion still fits
+                    tok = guide.pick(idx, ids, row, left, lambda r: pick_token(r, req.temperature, req.top_p,
+                                                                               req.generator))
+                    if tok is None:
+                        new, closed = guide.closing_tokens(idx, ids, 0) or [], True
+                else:
+                    tok = pick_token(row, req.temperature, req.top_p, req.generator)
+                if not closed:
+                    if tok in m.eos_ids:
+                        req.finish_reason = "stop"
+                        break
+                    new = [tok]
+            new = new[:left]
             ids += new
             st.tokens_out += len(new)
             piece = decoder.add(new)
             if piece:
                 yield piece
+            if closed:  # cut by the budget, but closed: finish_reason stays "length"
+                break
             if guide and guide.token_done(idx, ids):  # the grammar allows nothing more
                 req.finish_reason = "stop"
                 break

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..constraints import CLOSE_MARGIN
 from ..errors import ConfigError, GenerationError, RequestError
 from .base import Method, Request, RunStats
 from .bytelm import EOS, make_byte_lm, next_logprobs_async
@@ -344,6 +345,9 @@ class Smc(Method):
 
         guide = req.guide
         allowed = guide.byte_mask if guide else None
+        closed: set[bytes] = set()  # texts the budget-aware closing completed
+        if guide:
+            guide.check_budget(main, req.max_new_tokens)
 
         def finished(p: Particle) -> str | None:
             if guide and guide.complete(p.text):  # the grammar allows nothing more
@@ -352,9 +356,35 @@ class Smc(Method):
                 if p.text.endswith(s):
                     p.text = p.text[: -len(s)]
                     return "stop"
+            if guide and close(p):
+                return "length"
             if p.states[main].tokens >= req.max_new_tokens or len(p.text) >= max_bytes:
                 return "length"
             return None
+
+        def close(p: Particle) -> bool:
+            """Budget-aware closing of one particle: when its tokens or bytes left are just what the
+            shortest completion needs, the completion is appended (the particle ends there, its
+            byte-LM states no longer used). When its last byte already left too little, the
+            completion of the text before that byte is written instead (it fit one byte ago)."""
+            tokens_left = req.max_new_tokens - p.states[main].tokens
+            bytes_left = max_bytes - len(p.text)
+            tail = guide.completion(p.text)
+            need = guide.reserve(main, p.text)
+            if tail is None or not need:
+                return False
+            if need - CLOSE_MARGIN > tokens_left or len(tail) > bytes_left:  # the last byte overdrew
+                base = p.text[:-1]
+                tail = guide.completion(base)
+                if tail is None:
+                    return False
+                p.text = base + tail
+            elif need >= tokens_left or len(tail) + CLOSE_MARGIN >= bytes_left:
+                p.text += tail
+            else:
+                return False
+            closed.add(p.text)
+            return True
 
         weights = req.weights or [1.0] * len(lms)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -409,6 +439,8 @@ class Smc(Method):
         if tail:
             yield tail
         req.finish_reason = "stop" if best.done == "stop" else "length"
+        if guide:
+            guide.closed_early = best.text in closed and best.done != "stop"
         text = best.text.decode("utf-8", errors="replace")
         req.stats = SmcStats(tokens_out=len(self.members[main].encode(text)) if text else 0, bytes_out=len(best.text),
                              search="beam" if search else "smc", heals=sum(lm.heals for lm in lms),

@@ -146,9 +146,11 @@ class SpecFuse(Method):
 
     # ---- one member's draft --------------------------------------------------------------
     def _draft(self, i: int, view: CanonicalView, n: int, req: Request, gen: torch.Generator | None,
-               text: bytes = b"") -> Draft:
+               text: bytes = b"", left: int | None = None) -> Draft:
         """Member i drafts up to n tokens after the shared `text`, ending early at its EOS or at a
-        stop string (cut right after it: nothing past a stop is drafted or scored)."""
+        stop string (cut right after it: nothing past a stop is drafted or scored). Under a grammar
+        with `left` tokens of budget, the draft also ends before a token after which the shortest
+        completion would no longer fit (counted in member i's tokens: an estimate of the main's)."""
         m, state = view.member, view.state
         idx = vocab_index(m)
         data, eos, stop_at = b"", False, None
@@ -161,7 +163,13 @@ class SpecFuse(Method):
                     new = forced
                 else:
                     row = guide.mask_row(i, state.ids[plen:], state.next_logprobs) if guide else state.next_logprobs
-                    tok = pick_token(row, req.temperature, req.top_p, gen)
+                    if guide and left is not None:
+                        tok = guide.pick(i, state.ids[plen:], row, left - done,
+                                         lambda r: pick_token(r, req.temperature, req.top_p, gen))
+                        if tok is None:
+                            break
+                    else:
+                        tok = pick_token(row, req.temperature, req.top_p, gen)
                     if tok in m.eos_ids:
                         eos = True
                         break
@@ -232,19 +240,38 @@ class SpecFuse(Method):
             seed = int(torch.randint(0, 2**62, (), generator=req.generator))
             gens = [torch.Generator().manual_seed(seed + i) for i in range(k)]
         text = b""
+        guide, must_close = req.guide, False
+        if guide:
+            guide.check_budget(req.main, req.max_new_tokens)
         pool = ThreadPoolExecutor(max_workers=k) if parallel else None
         try:
             while st.tokens_out < req.max_new_tokens:
+                left = req.max_new_tokens - st.tokens_out
+                tail = guide.closing(req.main, text, 0 if must_close else left) if guide else None
+                if tail is not None or must_close:  # the budget holds just the shortest completion
+                    tail = tail or b""
+                    ids = guide.spell(req.main, tail)[:left]
+                    st.tokens_out += len(ids)
+                    st.segment_tokens.append(len(ids))
+                    text += tail
+                    if tail:
+                        yield tail.decode("utf-8", errors="replace")
+                    break  # cut by the budget, but closed: finish_reason stays "length"
                 st.rounds += 1
                 t = st.rounds
                 n = min(cfg.segment_len, req.max_new_tokens - st.tokens_out)
                 todo = [i for i in range(k) if active[i]]
                 st.drafts_saved += k - len(todo)
+                room = left if guide else None
                 if pool is not None:
-                    drafts = list(pool.map(lambda i: guarded(self._draft, i, views[i], n, req, gens[i], text), todo))
+                    drafts = list(pool.map(lambda i: guarded(self._draft, i, views[i], n, req, gens[i], text, room),
+                                           todo))
                 else:
-                    drafts = [self._draft(i, views[i], n, req, gens[i], text) for i in todo]
+                    drafts = [self._draft(i, views[i], n, req, gens[i], text, room) for i in todo]
                 drafts = [d for d in drafts if d.text or d.eos]
+                if not drafts and guide:  # no member could write a token that leaves room to close
+                    must_close = True
+                    continue
                 if not drafts:  # every member drafted only bytes that cannot stand alone
                     req.finish_reason = "stop"
                     break
@@ -276,6 +303,12 @@ class SpecFuse(Method):
                 if len(ids) > room:
                     seg = seg[: valid_utf8_prefix(seg[: ends[room - 1]])]
                     ids, eos = ids[:room], False
+                while guide and ids and not eos and not guide.fits(req.main, text + seg, room - len(ids)):
+                    # the shortest completion after the winner would not fit: cut the winner at its
+                    # last token boundary that leaves room, and close next round
+                    ids = ids[:-1]
+                    seg = seg[: valid_utf8_prefix(seg[: ends[len(ids) - 1]])] if ids else b""
+                    must_close = True
                 st.tokens_out += len(ids)
                 st.segment_tokens.append(len(ids))
                 old = len(text)

@@ -125,12 +125,19 @@ class Unite(Method):
         plen = len(pstate.ids)
         st = req.stats = UniteStats()
         text, emit = b"", Emitter()
+        if guide:
+            guide.check_budget(main, budget)
+        closed = False
         while st.tokens_out < budget:
             prow = pstate.next_logprobs
-            forced = guide.forced_tokens(main, pstate.ids[plen:])[: budget - st.tokens_out] if guide else []
+            left = budget - st.tokens_out
+            forced = guide.forced_tokens(main, pstate.ids[plen:])[:left] if guide else []
+            tail = guide.closing(main, text, left) if guide and not forced else None
             if forced:  # the grammar forces these tokens: written without sampling
                 guide.forced += len(forced)
                 key, ids = b"".join(pidx.key_of(t) for t in forced), forced
+            elif tail is not None:  # the budget holds just the shortest completion: written now
+                key, ids, closed = tail, guide.spell(main, tail)[:left], True
             elif valid_utf8_prefix(text) == len(text):
                 rows = [prow]
                 for v in views:
@@ -153,6 +160,11 @@ class Unite(Method):
                 tok = pick_token(row, req.temperature, req.top_p, req.generator)
                 key, ids = pidx.key_of(tok), [tok]
                 st.skipped_incomplete_utf8 += 1
+            if guide and not forced and not closed and key is not EOS \
+                    and not guide.fits(main, text + key, left - len(ids)):
+                # after this key the shortest completion would not fit: write the completion instead
+                tail = guide.closing(main, text, 0) or b""
+                key, ids, closed = tail, guide.spell(main, tail)[:left], True
             if key is EOS:
                 req.finish_reason = "stop"
                 break
@@ -161,6 +173,8 @@ class Unite(Method):
             piece = emit.take(text)
             if piece:
                 yield piece
+            if closed:  # cut by the budget, but closed: finish_reason stays "length"
+                break
             if guide and guide.complete(text):  # the grammar allows nothing more
                 req.finish_reason = "stop"
                 break
