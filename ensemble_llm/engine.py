@@ -114,6 +114,10 @@ def _check_message(m: Any, i: int) -> None:
             raise RequestError(f"message {i}: tool_calls belong to assistant messages and look like "
                                "[{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}], "
                                f"got {calls!r}")
+    if m["role"] == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+        raise RequestError(f"message {i} (tool) has no tool_call_id (got {m.get('tool_call_id')!r}); a tool "
+                           "result must name the call it answers: give it the 'tool_call_id' of that call "
+                           "(the id in the assistant message's tool_calls).")
     if not text.strip() and not (m["role"] == "assistant" and calls) and m["role"] != "tool":
         raise RequestError(f"message {i} ({m['role']}) has no text content; give it non-empty 'content'.")
     _check_text(text, f"message {i} ({m['role']})")

@@ -77,6 +77,10 @@ def _messages(raw: Any) -> list[dict]:
         m = dict(m)
         if m.get("role") == "developer":
             m["role"] = "system"
+        if m.get("role") == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+            raise ApiError(400, f"messages[{i}] (tool) has no tool_call_id (got {m.get('tool_call_id')!r}); a tool "
+                                "result must name the call it answers: give it the 'tool_call_id' of that call.",
+                           param="messages")
         calls = m.get("tool_calls")
         if isinstance(calls, list):
             fixed = []

@@ -168,8 +168,17 @@ REQUESTS = [
     ("hi", {"tool_choice": "get_weather"}, (RequestError, "not among the tools")),
     ("hi", {"tools": [TOOL], "raw": True}, (RequestError, "tools need a chat prompt")),
     ("hi", {"tools": []}, OK),
-    ("hi", {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 4}, OK),
-    ("Weather in Paris?", {"tools": [TOOL], "tool_choice": "get_weather", "max_new_tokens": 12}, OK),
+    # a forced call whose shortest form cannot fit the budget is refused, saying what it needs
+    ("hi", {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 4},
+     (RequestError, r"forced tool call needs at least \d+ tokens.*max_tokens is 4")),
+    ("hi", {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 16}, OK),
+    ("Weather in Paris?", {"tools": [TOOL], "tool_choice": "get_weather", "max_new_tokens": 12},
+     (RequestError, r"needs at least \d+ tokens")),
+    ("Weather in Paris?", {"tools": [TOOL], "tool_choice": "get_weather", "max_new_tokens": 24}, OK),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}], {},
+     (RequestError, r"message 1 \(tool\) has no tool_call_id")),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": ""}], {},
+     (RequestError, "tool_call_id")),
     ("hi", {"tools": [TOOL], "tool_choice": "none", "max_new_tokens": 3}, OK),
     ("hi", {"tools": [TOOL], "tool_choice": "auto", "max_new_tokens": 3}, OK),
 ]
@@ -304,6 +313,11 @@ def _lc_cases():
         (lambda llm: llm.invoke("hi\ud800"), (RequestError, "lone surrogate")),
         (lambda llm: llm.invoke("hi", tool_choice="f"), (RequestError, "not among the tools")),
         (lambda llm: llm.bind_tools([_tool("f", "a string")]).invoke("hi"), (Exception, "parameters|schema")),
+        (lambda llm: llm.invoke([HumanMessage("hi"), {"role": "tool", "content": "42"}]),
+         (RequestError, r"message 1 \(tool\) has no tool_call_id")),
+        (lambda llm: llm.invoke([HumanMessage("hi"), ("tool", "42")]), (RequestError, "message 1.*tool_call_id")),
+        (lambda llm: llm.bind_tools([TOOL], tool_choice="any").invoke("hi", max_tokens=5),
+         (RequestError, r"needs at least \d+ tokens")),
         (lambda llm: llm.invoke([SystemMessage("x"), AIMessage("y")]), OK),
         (lambda llm: llm.invoke("hi", stop="i"), OK),
         (lambda llm: llm.invoke([HumanMessage("hi")], max_tokens=1), OK),
@@ -337,6 +351,8 @@ def _li_cases():
         (lambda llm: llm.complete("hi", bogus=1), (TypeError, "unsupported call arguments.*bogus")),
         (lambda llm: llm.complete("hi\udc80"), (RequestError, "lone surrogate")),
         (lambda llm: llm.chat([ChatMessage(role="user", content=None)]), (RequestError, "no text content")),
+        (lambda llm: llm.chat([ChatMessage(role="user", content="hi"), ChatMessage(role="tool", content="42")]),
+         (RequestError, r"message 1 \(tool\) has no tool_call_id")),
         (lambda llm: llm.complete("hi", formatted=True), OK),
         (lambda llm: llm.complete("hi", stop="i"), OK),
         (lambda llm: EnsembleLLM(engine=llm.engine, temperature=-1), (ValidationError, "temperature")),
@@ -347,7 +363,7 @@ def _li_cases():
     ]
 
 
-N_LC, N_LI = 28, 17
+N_LC, N_LI = 31, 18
 
 
 @pytest.mark.parametrize("i", range(N_LC))

@@ -32,7 +32,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from ensemble_llm import Ensemble, GenerationParams
+from ensemble_llm import Ensemble, GenerationParams, RequestError
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.chat import check_tool_choice, content_text
 from ensemble_llm.engine import ENGINE_OPTIONS, GenerationResult
@@ -250,6 +250,25 @@ class EnsembleLLM(BaseChatModel):
         return llm | parser
 
     # ---- generation ----------------------------------------------------------------------
+    def _convert_input(self, model_input: LanguageModelInput) -> Any:
+        """LangChain's conversion, after a check it lacks: a tool message given as a dict or a
+        ("tool", text) tuple without a tool_call_id is a RequestError naming the message (LangChain
+        itself fails on it with a bare KeyError)."""
+        if isinstance(model_input, (list, tuple)):
+            for i, m in enumerate(model_input):
+                if isinstance(m, dict):
+                    role, call_id = m.get("role", m.get("type")), m.get("tool_call_id")
+                elif isinstance(m, (list, tuple)) and len(m) == 2 and isinstance(m[0], str):
+                    role, call_id = m[0], None
+                else:
+                    continue
+                if role == "tool" and not (isinstance(call_id, str) and call_id):
+                    raise RequestError(
+                        f"message {i} (tool) has no tool_call_id (got {call_id!r}); a tool result must name "
+                        "the call it answers: use ToolMessage(content, tool_call_id=...) or "
+                        "{'role': 'tool', 'content': ..., 'tool_call_id': ...} with the id of that call.")
+        return super()._convert_input(model_input)
+
     def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationParams:
         unknown = set(kwargs) - _CALL_KEYS - _PASSTHROUGH
         if unknown:

@@ -28,7 +28,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from ensemble_llm import Ensemble, GenerationParams
+from ensemble_llm import Ensemble, GenerationParams, RequestError
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.chat import check_tool_choice
 from ensemble_llm.engine import ENGINE_OPTIONS, GenerationResult
@@ -46,7 +46,7 @@ _CALL_KEYS = {"tools", "tool_choice", "max_new_tokens", "max_tokens", "temperatu
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
     """LlamaIndex chat messages -> the engine's {'role', 'content', ...} dicts."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         role = _ROLES.get(m.role)
         if role is None:
             raise ValueError(f"EnsembleLLM cannot send a message with role {m.role!r}; "
@@ -64,8 +64,12 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
         if role == "assistant" and not calls and extra.get("tool_calls"):  # OpenAI-style history
             msg["tool_calls"] = list(extra["tool_calls"])
         if role == "tool":
-            if extra.get("tool_call_id"):
-                msg["tool_call_id"] = extra["tool_call_id"]
+            if not (isinstance(extra.get("tool_call_id"), str) and extra["tool_call_id"]):
+                raise RequestError(
+                    f"message {i} (tool) has no tool_call_id (got {extra.get('tool_call_id')!r}); a tool result must "
+                    "name the call it answers: ChatMessage(role='tool', content=..., additional_kwargs="
+                    "{'tool_call_id': <the call's id>}).")
+            msg["tool_call_id"] = extra["tool_call_id"]
             if extra.get("name"):
                 msg["name"] = extra["name"]
         out.append(msg)
