@@ -9,6 +9,11 @@ Two sections, every method on the same prompts, interleaved:
 - **constraint cost**: the same prompts answered freely and with the schema as `response_format`;
   time per output token of each, their ratio, and the share of the constrained time spent in the
   matchers themselves.
+- **tight budget**: the schemas of `data/schemas_tight.jsonl` (unbounded strings, required
+  nullable recursive fields, arrays of objects, the issue-23 Poem and Node models) as
+  `response_format` at a small budget (64 tokens by default), where the members would run out in
+  a string: valid/total per method, how many replies the budget-aware closing finished
+  (`closed_early`), and how many schemas' shortest completion could not fit at all.
 Writes results.json and results.md into the output folder.
 """
 
@@ -27,9 +32,12 @@ from .engine import Ensemble
 from .errors import ConfigError
 
 
-def load_schemas(n: int | None = None) -> list[dict]:
+SECTIONS = ("calls", "cost", "tight")
+
+
+def load_schemas(n: int | None = None, corpus: str = "schemas.jsonl") -> list[dict]:
     """The bundled schema corpus: [{"name", "prompt", "schema"}, ...] (the first n)."""
-    path = resources.files("ensemble_llm") / "data" / "schemas.jsonl"
+    path = resources.files("ensemble_llm") / "data" / corpus
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return rows if n is None else rows[:n]
 
@@ -41,21 +49,27 @@ def _tool(row: dict) -> dict:
 
 def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *, n_schemas: int | None = None,
                          max_new_tokens: int = 160, cost_prompts: int = 6, cost_tokens: int = 48, device: str = "auto",
-                         progress: bool = True) -> dict:
-    schemas = load_schemas(n_schemas)
-    if not schemas:
+                         progress: bool = True, sections: Sequence[str] = SECTIONS, tight_tokens: int = 64,
+                         n_tight: int | None = None) -> dict:
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise ConfigError(f"bench-constraints sections must be among {list(SECTIONS)}, got {list(sections)}")
+    schemas = load_schemas(n_schemas) if "calls" in sections or "cost" in sections else []
+    if not schemas and ("calls" in sections or "cost" in sections):
         raise ConfigError("no schemas to run: give --schemas >= 1")
+    tight = load_schemas(n_tight, "schemas_tight.jsonl") if "tight" in sections else []
     engines = {s.label: Ensemble(list(s.members or models), s.method, s.config, device=device, progress=progress)
                for s in methods}
     for eng in engines.values():
         eng.load()
         eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
         eng.generate("Say ok.", response_format={"type": "json_object"}, max_new_tokens=4)  # matchers built
-    cost_rows = schemas[:cost_prompts]
-    bar = _progress(len(engines) * (len(schemas) + 2 * len(cost_rows)), progress)
+    cost_rows = schemas[:cost_prompts] if "cost" in sections else []
+    call_rows = schemas if "calls" in sections else []
+    bar = _progress(len(engines) * (len(call_rows) + 2 * len(cost_rows) + len(tight)), progress)
     calls: dict[str, list[dict]] = {k: [] for k in engines}
     t_start = time.perf_counter()
-    for row in schemas:
+    for row in call_rows:
         tool = _tool(row)
         for key, eng in engines.items():
             res = eng.generate(row["prompt"], tools=[tool], tool_choice=row["name"], max_new_tokens=max_new_tokens)
@@ -98,11 +112,45 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
                 c["json_valid"] += 1
             except (ValueError, jsonschema.ValidationError):
                 pass
+    tight_rows: dict[str, list[dict]] = {k: [] for k in engines}
+    for row in tight:
+        fmt = {"type": "json_schema", "json_schema": {"name": row["name"], "schema": row["schema"]}}
+        for key, eng in engines.items():
+            res = eng.generate(row["prompt"], response_format=fmt, max_new_tokens=tight_tokens)
+            error = None
+            try:
+                jsonschema.validate(json.loads(res.text), row["schema"])
+            except ValueError as exc:
+                error = f"not JSON ({res.finish_reason}): {exc}"
+            except jsonschema.ValidationError as exc:
+                error = f"invalid: {exc.message}"
+            st = res.stats
+            tight_rows[key].append({
+                "schema": row["name"], "valid": error is None, "error": error, "text": res.text,
+                "finish_reason": res.finish_reason, "closed_early": bool(st.get("closed_early")),
+                "fits": not st.get("closing_short_by"), "tokens_out": st.get("tokens_out", 0),
+                "time_s": st["time_s"]})
+            bar.update()
+            bar.set_postfix_str(f"tight: {key}")
     bar.close()
-    results: dict[str, Any] = {"models": list(models), "schemas": len(schemas), "cost_prompts": len(cost_rows),
+    results: dict[str, Any] = {"models": list(models), "schemas": len(call_rows), "cost_prompts": len(cost_rows),
                                "max_new_tokens": max_new_tokens, "cost_tokens": cost_tokens,
-                               "wall_time_s": round(time.perf_counter() - t_start, 1), "methods": {}}
+                               "sections": list(sections), "tight_schemas": len(tight), "tight_tokens": tight_tokens,
+                               "wall_time_s": round(time.perf_counter() - t_start, 1), "methods": {}, "tight": {}}
+    for key, rows in tight_rows.items():
+        if not rows:
+            continue
+        fitting = [r for r in rows if r["fits"]]
+        results["tight"][key] = {
+            "valid": sum(r["valid"] for r in rows), "total": len(rows), "fitting": len(fitting),
+            "valid_of_fitting": sum(r["valid"] for r in fitting), "closed_early": sum(r["closed_early"] for r in rows),
+            "finish": {f: sum(r["finish_reason"] == f for r in rows) for f in sorted({r["finish_reason"] for r in rows})},
+            "seconds_per_call": sum(r["time_s"] for r in rows) / len(rows),
+            "tokens_per_call": sum(r["tokens_out"] for r in rows) / len(rows),
+            "failures": [r for r in rows if not r["valid"]], "rows": rows}
     for key, rows in calls.items():
+        if not rows:
+            continue
         n = len(rows)
         c = cost[key]
         free_tok = c["free_s"] / max(1, c["free_tokens"])
@@ -125,6 +173,10 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
 
 
 def markdown(results: dict) -> str:
+    if not results["methods"]:  # only the tight-budget section ran
+        lines = [f"# ensemble-llm bench-constraints: {', '.join(results['models'])}", "",
+                 *([f"Command: `{results['command']}`", ""] if results.get("command") else [])]
+        return "\n".join(lines + _tight_markdown(results)) + "\n"
     lines = [f"# ensemble-llm bench-constraints: {', '.join(results['models'])}", "",
              f"{results['schemas']} JSON Schemas as forced tool calls, {results['cost_prompts']} of them also as "
              f"`response_format` against the same prompt answered freely ({results['cost_tokens']} tokens each); call "
@@ -149,7 +201,29 @@ def markdown(results: dict) -> str:
     failures = [(k, f) for k, r in results["methods"].items() for f in r["failures"]]
     if failures:
         lines += ["", "Failures:", ""] + [f"- {k} / {f['schema']}: {f['error']}" for k, f in failures]
+    if results.get("tight"):
+        lines += [""] + _tight_markdown(results)
     return "\n".join(lines) + "\n"
+
+
+def _tight_markdown(results: dict) -> list[str]:
+    lines = [f"## Tight budget: {results['tight_schemas']} schemas as `response_format` at {results['tight_tokens']} "
+             f"tokens (whole run {results['wall_time_s'] / 60:.1f} min)", "",
+             "| method | valid / total | shortest fits | valid of fitting | closed early | finish reasons | "
+             "tokens/call | s/call |", "|---|---|---|---|---|---|---|---|"]
+    for key, r in results["tight"].items():
+        finish = ", ".join(f"{k} {v}" for k, v in r["finish"].items())
+        lines.append(f"| {key} | {r['valid']}/{r['total']} | {r['fitting']}/{r['total']} | "
+                     f"{r['valid_of_fitting']}/{r['fitting']} | {r['closed_early']} | {finish} | "
+                     f"{r['tokens_per_call']:.1f} | {r['seconds_per_call']:.2f} |")
+    lines += ["", "valid: the reply parses and validates against the schema (`jsonschema`). shortest fits: the "
+              "schema's shortest document fits the budget in the main member's tokens (else the reply cannot "
+              "be complete). closed early: replies the budget-aware closing finished (finish_reason "
+              "\"length\", stats closed_early)."]
+    failures = [(k, f) for k, r in results["tight"].items() for f in r["failures"]]
+    if failures:
+        lines += ["", "Failures:", ""] + [f"- {k} / {f['schema']}: {f['error']}" for k, f in failures]
+    return lines
 
 
 def write(results: dict, out: Path) -> list[Path]:

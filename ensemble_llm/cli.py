@@ -145,7 +145,8 @@ def _cmd_bench_constraints(args) -> int:
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     return _run_and_write(args, models, lambda specs: run_constraint_bench(
         models, specs, n_schemas=args.schemas, max_new_tokens=args.max_new_tokens, cost_prompts=args.cost_prompts,
-        cost_tokens=args.cost_tokens, device=args.device, progress=not args.quiet), write)
+        cost_tokens=args.cost_tokens, device=args.device, progress=not args.quiet, sections=args.sections,
+        tight_tokens=args.tight_tokens, n_tight=args.tight_schemas), write)
 
 
 def _cmd_serve(args) -> int:
@@ -228,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cost-prompts", type=int, default=6, help="schemas also run free vs response_format")
     c.add_argument("--cost-tokens", type=int, default=48, help="budget of each free / response_format answer")
     c.add_argument("--max-new-tokens", type=int, default=160)
+    c.add_argument("--sections", nargs="+", default=["calls", "cost", "tight"], choices=["calls", "cost", "tight"],
+                   help="forced calls, constraint cost, tight-budget response_format (default: all three)")
+    c.add_argument("--tight-tokens", type=int, default=64, help="budget of each tight-budget reply")
+    c.add_argument("--tight-schemas", type=int, default=None,
+                   help="the first N schemas of the tight-budget corpus (default: all 11)")
     c.add_argument("--device", default="auto")
     c.add_argument("--out", default="bench-constraints")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
