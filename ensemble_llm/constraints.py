@@ -42,7 +42,7 @@ HEAL_TOP = 32  # forbidden tokens (the likeliest of a row) whose mass goes to th
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 # budget-aware closing (`Guide.closing`): the shortest completion is searched over the byte matcher
-CLOSE_MARGIN = 1  # tokens kept in reserve beyond the closing's own tokens
+CLOSE_MARGIN = 1  # tokens smc keeps in reserve beyond the closing's own (its token count is an estimate)
 SEARCH_LIMIT = 4000  # matcher states the shortest-completion search may visit
 BUDGET_TRIES = 4  # tokens a member may try at one step before the guide closes instead
 _CLOSERS = b'"}]'  # bytes that end a string, an object, an array: the search takes the first allowed
@@ -361,13 +361,18 @@ class _Mirror:
 
 
 def _timed(fn):
-    """Adds the call's time to the guide's `seconds`."""
+    """Adds the call's time to the guide's `seconds`; one call at a time per guide (SpecFuse drafts
+    in threads when its members sit on different devices, and they share the byte matcher)."""
     def wrapper(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        with self._lock:
+            t0 = time.perf_counter()
+            self._depth += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:  # a timed call inside another is counted once
+                    self.seconds += time.perf_counter() - t0
     wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
     return wrapper
 
@@ -379,6 +384,8 @@ class Guide:
     def __init__(self, constraint: Constraint, members: Sequence[Any]) -> None:
         self.constraint = constraint
         self.members = list(members)
+        self._lock = threading.RLock()
+        self._depth = 0
         self._bytes = _Mirror(constraint.byte_matcher(), END + 1)
         self._tokens: dict[int, _Mirror] = {}
         self.masked_rows = 0  # token rows masked (figures for stats)
@@ -556,6 +563,7 @@ class Guide:
                 return ids + [0] * (len(data) - p)  # unspellable bytes: counted one token each
         return ids
 
+    @_timed
     def reserve(self, i: int, text: bytes) -> int | None:
         """Member i's tokens the shortest completion after `text` needs, plus `CLOSE_MARGIN`; 0
         when `text` may end here; None when no completion is known (nothing is reserved)."""
@@ -578,10 +586,12 @@ class Guide:
 
     def closing(self, i: int, text: bytes, left: int) -> bytes | None:
         """With `left` of member i's tokens left after `text`: the bytes of the shortest
-        completion when `left` is no more than it needs (with the margin), for the method to write
-        now (and end, finish_reason "length"); None while there is room to write more."""
+        completion when `left` is no more than it needs, for the method to write now (and end,
+        finish_reason "length"); None while there is room for one more token (which `pick` /
+        `fits` only lets through when the completion after it still fits: the last free token can
+        be the value a field needs, e.g. `3` in `{"input": 3}`)."""
         need = self.reserve(i, text)
-        if not need or need < left:
+        if not need or need - CLOSE_MARGIN < left:  # room for one more token: `pick` checks it leaves room
             return None
         self.closed_early = True
         return self.completion(text)
@@ -595,6 +605,7 @@ class Guide:
         vb = self.members[i].vocab_bytes
         return b"".join(vb[t] for t in ids)
 
+    @_timed
     def pick(self, i: int, ids: Sequence[int], row: torch.Tensor, left: int, pick) -> int | None:
         """Member i's next token from its (masked) `row` with `left` tokens of budget left: `pick`
         (row -> id) chooses, and a token after which the shortest completion would no longer fit
@@ -606,6 +617,8 @@ class Guide:
             tok = pick(row)
             if tok in member.eos_ids or self.fits(i, text + member.vocab_bytes[tok], left - 1):
                 return tok
+            if not is_local(row):  # a row held by a Ray actor: no second pick, the closing is written
+                return None
             row = row.clone()
             row[tok] = float("-inf")
             if not bool(torch.isfinite(row).any()):

@@ -129,6 +129,8 @@ class Safe(Method):
                 if trace is not None:
                     trace.append({"byte": len(text), "reason": "forced", "tokens": len(forced)})
                 finished = guide.complete(text)
+                if finished:  # the forced tokens ended the match: the grammar, not the budget, ended the reply
+                    req.finish_reason = "stop"
                 if not finished and st.tokens_out < budget:
                     drafter.extend(dstate, forced)
                 piece = emit.take(text)
