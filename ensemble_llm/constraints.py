@@ -634,8 +634,9 @@ class Guide:
             if self.constraint.whole:
                 raise RequestError(
                     f"the forced tool call needs at least {need - CLOSE_MARGIN} tokens (its shortest form: "
-                    f"{self.completion(b'').decode('utf-8', 'replace')}), but max_tokens is {budget}; raise "
-                    f"max_tokens to {need - CLOSE_MARGIN} or more (a useful call needs room for its arguments).")
+                    f"{self.completion(b'').decode('utf-8', 'replace')}), but the budget (max_tokens / "
+                    f"max_new_tokens) is {budget}; raise it to {need - CLOSE_MARGIN} or more (a useful call needs "
+                    "room for its arguments).")
 
     # ---- token level (member rows) --------------------------------------------------------
     def _mirror(self, i: int) -> _Mirror:

@@ -170,7 +170,7 @@ REQUESTS = [
     ("hi", {"tools": []}, OK),
     # a forced call whose shortest form cannot fit the budget is refused, saying what it needs
     ("hi", {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 4},
-     (RequestError, r"forced tool call needs at least \d+ tokens.*max_tokens is 4")),
+     (RequestError, r"forced tool call needs at least \d+ tokens.*max_new_tokens\) is 4")),
     ("hi", {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 16}, OK),
     ("Weather in Paris?", {"tools": [TOOL], "tool_choice": "get_weather", "max_new_tokens": 12},
      (RequestError, r"needs at least \d+ tokens")),

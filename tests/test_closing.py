@@ -117,7 +117,7 @@ def test_every_method_closes_a_forced_call_under_a_tight_budget(engine):
 
 
 def test_a_forced_call_that_cannot_fit_names_the_tokens_it_needs(engine):
-    with pytest.raises(RequestError, match=r"needs at least (\d+) tokens.*max_tokens is 8"):
+    with pytest.raises(RequestError, match=r"needs at least (\d+) tokens.*max_new_tokens\) is 8"):
         engine.generate("Weather in Oslo?", tools=[WEATHER], tool_choice="get_weather", max_new_tokens=8)
 
 
@@ -127,6 +127,24 @@ def test_the_call_markup_is_optional_and_closes_only_after_it_opens():
     for text in (TOOL_OPEN + "\n" + call + "\n" + TOOL_CLOSE, TOOL_OPEN + "\n" + call, call):
         assert c.matches(text) and parse_tool_calls(text, [WEATHER])[1][0].arguments["city"] == "Oslo"
     assert not c.matches(call + "\n" + TOOL_CLOSE) and c.whole
+
+
+def test_llamaindex_tool_selection_closes_or_says_what_the_call_needs(tiny_dirs):
+    from llama_index.core.tools import FunctionTool
+
+    from llama_index.llms.ensemble_llm import EnsembleLLM as LI
+
+    def get_weather(city: str, days: int) -> str:
+        """The weather in a city for some days."""
+        return "sunny"
+
+    tool = FunctionTool.from_defaults(fn=get_weather)
+    eng = Ensemble([tiny_dirs["smol"]], method="single")
+    llm = LI(engine=eng, max_new_tokens=30)
+    (sel,) = llm.get_tool_calls_from_response(llm.chat_with_tools([tool], "Weather in Oslo?", tool_required=True))
+    assert sel.tool_name == "get_weather" and set(sel.tool_kwargs) == {"city", "days"}
+    with pytest.raises(RequestError, match=r"needs at least \d+ tokens.*max_new_tokens\) is 6"):
+        LI(engine=eng, max_new_tokens=6).chat_with_tools([tool], "Weather?", tool_required=True)
 
 
 # ---- tool messages without an id -----------------------------------------------------------------
@@ -169,3 +187,48 @@ def test_bench_tight_section_counts_valid_replies_per_method(tiny_dirs, tmp_path
         assert r["total"] == 3 and r["fitting"] == 3 and r["valid_of_fitting"] == 3, r["failures"]
     paths = write(res, tmp_path)
     assert "valid / total" in markdown(res) and all(p.exists() for p in paths)
+
+
+# ---- the real bundled pair: the issue's cases through both facades -------------------------------
+PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
+
+
+@pytest.fixture(scope="module")
+def real_pair(real_dirs):
+    return Ensemble(PAIR, method="safe", progress=False).load()
+
+
+@pytest.mark.real
+def test_real_pair_poem_and_node_through_langchain(real_pair):
+    from langchain_ensemble_llm import EnsembleLLM
+
+    llm = EnsembleLLM(engine=real_pair, max_tokens=160)
+    poem = llm.with_structured_output(Poem, method="json_schema").invoke("Write a two-line poem about the sea.")
+    assert isinstance(poem, Poem) and poem.mood in ("happy", "sad", "calm")
+    node = llm.with_structured_output(Node).invoke("Describe a small tree: a root node named 'root' with one child.")
+    assert isinstance(node, Node)
+
+
+@pytest.mark.real
+def test_real_pair_poem_and_node_through_llamaindex(real_pair):
+    from llama_index.core.prompts import PromptTemplate
+
+    from llama_index.llms.ensemble_llm import EnsembleLLM
+
+    llm = EnsembleLLM(engine=real_pair, max_new_tokens=160)
+    poem = llm.structured_predict(Poem, PromptTemplate("Write a two-line poem about the {topic}."), topic="sea")
+    assert isinstance(poem, Poem)
+    node = llm.structured_predict(Node, PromptTemplate("Describe a small tree: a root node named '{name}' with "
+                                                       "one child."), name="root")
+    assert isinstance(node, Node)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["single", "unite", "specfuse", "smc"])
+def test_real_pair_poem_with_every_method(real_dirs, method):
+    config = {"n_particles": 2} if method == "smc" else None
+    eng = Ensemble(PAIR, method=method, config=config, progress=False)
+    fmt = {"type": "json_schema", "json_schema": {"name": "Poem", "schema": SCHEMAS["poem"]}}
+    res = eng.generate("Write a two-line poem about the sea.", response_format=fmt, max_new_tokens=64)
+    Poem.model_validate_json(res.text)
+    assert res.finish_reason == "stop" or res.stats.get("closed_early") is True

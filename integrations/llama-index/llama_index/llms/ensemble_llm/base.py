@@ -311,7 +311,8 @@ class EnsembleLLM(FunctionCallingLLM):
                                  chat_history: Optional[List[ChatMessage]] = None, verbose: bool = False,
                                  allow_parallel_tool_calls: bool = False, tool_required: bool = False,
                                  tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
-        """Messages plus OpenAI-format tool specs; tool_required forces a call (written field by field)."""
+        """Messages plus OpenAI-format tool specs; tool_required forces a call (the call grammar, closed
+        within the budget; a budget too small for the shortest call is a RequestError)."""
         specs = [t.metadata.to_openai_tool() for t in tools]
         messages = list(chat_history or [])
         if user_msg:
