@@ -382,11 +382,9 @@ class ToolTextFilter:
 def tool_call_constraint(tools: list[dict], tool_choice: str):
     """The grammar of one call to the allowed tools (all for "required", else the named one):
 
-        <tool_call>
         {"name": "<tool>", "arguments": <JSON valid under the tool's parameters>}
-        </tool_call>
 
-    (the tags optional, the closing one only after the opening one),
+    (a bare call object, without the <tool_call> tags a free reply uses),
 
     llguidance writes the fixed parts without sampling and masks every token that would leave
     the schema, so the call parses and validates whatever the members would have written."""
@@ -410,9 +408,6 @@ def tool_call_constraint(tools: list[dict], tool_choice: str):
         head = json.dumps({"name": fn["name"]})[:-1] + ', "arguments": '
         rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} \"}}\"")
         names.append(f"call_{i}")
-    # the markup is optional: `parse_tool_calls` reads a bare call object too, and a tight budget
-    # (budget-aware closing) then spends its tokens on the call, not on the tags
-    calls = " | ".join(names)
-    return dataclasses.replace(Constraint.lark(
-        f"start: {json.dumps(TOOL_OPEN + chr(10))} call ({json.dumps(chr(10) + TOOL_CLOSE)})? | call\n"
-        f"call: {calls}\n" + "\n".join(rules)), whole=True)
+    # no tags: a forced call is known to be a call (`parse_tool_calls` reads a bare call object),
+    # and the ~6-10 tokens the tags cost go to the arguments (budget-aware closing counts them)
+    return dataclasses.replace(Constraint.lark("start: " + " | ".join(names) + "\n" + "\n".join(rules)), whole=True)

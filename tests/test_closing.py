@@ -121,12 +121,11 @@ def test_a_forced_call_that_cannot_fit_names_the_tokens_it_needs(engine):
         engine.generate("Weather in Oslo?", tools=[WEATHER], tool_choice="get_weather", max_new_tokens=8)
 
 
-def test_the_call_markup_is_optional_and_closes_only_after_it_opens():
+def test_a_forced_call_is_a_bare_call_object_without_tags():
     c = tool_call_constraint([WEATHER], "required")
     call = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
-    for text in (TOOL_OPEN + "\n" + call + "\n" + TOOL_CLOSE, TOOL_OPEN + "\n" + call, call):
-        assert c.matches(text) and parse_tool_calls(text, [WEATHER])[1][0].arguments["city"] == "Oslo"
-    assert not c.matches(call + "\n" + TOOL_CLOSE) and c.whole
+    assert c.matches(call) and parse_tool_calls(call, [WEATHER])[1][0].arguments["city"] == "Oslo"
+    assert not c.matches(TOOL_OPEN + "\n" + call + "\n" + TOOL_CLOSE) and c.whole
 
 
 def test_llamaindex_tool_selection_closes_or_says_what_the_call_needs(tiny_dirs):

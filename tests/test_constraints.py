@@ -222,10 +222,9 @@ def test_every_method_writes_a_valid_forced_tool_call(tiny_engine):
     (call,) = res.tool_calls
     spec = {"get_weather": WEATHER, "add": ADD}[call.name]["function"]["parameters"]
     jsonschema.validate(call.arguments, spec)
-    # the tags are optional in the grammar (a bare call object parses too); the closing tag only after the opening one
+    # a forced call is a bare call object (no <tool_call> tags: their tokens go to the arguments)
     raw = res.raw_text
-    assert res.text == "" and ((raw.startswith(TOOL_OPEN) and raw.endswith(("}}", TOOL_CLOSE)))
-                               or (raw.startswith('{"name": ') and raw.endswith("}}"))), raw
+    assert res.text == "" and raw.startswith('{"name": ') and raw.endswith("}}") and TOOL_OPEN not in raw, raw
 
 
 def test_choice_and_regex_through_the_engine(tiny_engine):
@@ -239,21 +238,22 @@ def test_forced_bytes_are_written_without_sampling(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"]], method="single").load()
     res = eng.generate("Weather?", tools=[WEATHER], tool_choice="get_weather", max_new_tokens=60)
     st = res.stats
-    # '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' and the rest of the syntax are
+    # '{"name": "get_weather", "arguments": {"city": "' and the rest of the syntax are
     # forced: they cost no sampling step, and several forced tokens share one forward
     assert st["forced"] >= 10 and st["members"][eng.members[0].name]["forward_passes"] < st["tokens_out"]
 
 
 def test_tool_call_grammar_is_exact():
     c = tool_call_constraint([WEATHER, ADD, {"type": "function", "function": {"name": "ping"}}], "required")
-    head = TOOL_OPEN + "\n"
-    assert c.matches(head + '{"name": "add", "arguments": {"a": 1, "b": 2}}\n' + TOOL_CLOSE)
-    assert c.matches(head + '{"name": "ping", "arguments": {}}\n' + TOOL_CLOSE)
-    assert not c.matches(head + '{"name": "ping", "arguments": {"x": 1}}\n' + TOOL_CLOSE)
-    assert not c.matches(head + '{"name": "mul", "arguments": {"a": 1, "b": 2}}\n' + TOOL_CLOSE)
-    assert not c.matches(head + '{"name": "add", "arguments": {"a": "1", "b": 2}}\n' + TOOL_CLOSE)
+    head = ""  # a bare call object (no tags)
+    assert c.matches(head + '{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert c.matches(head + '{"name": "ping", "arguments": {}}')
+    assert not c.matches(head + '{"name": "ping", "arguments": {"x": 1}}')
+    assert not c.matches(head + '{"name": "mul", "arguments": {"a": 1, "b": 2}}')
+    assert not c.matches(head + '{"name": "add", "arguments": {"a": "1", "b": 2}}')
+    assert not c.matches(TOOL_OPEN + '\n{"name": "ping", "arguments": {}}\n' + TOOL_CLOSE)
     only = tool_call_constraint([WEATHER, ADD], "add")
-    assert not only.matches(head + '{"name": "get_weather", "arguments": {"city": "x", "days": 1}}\n' + TOOL_CLOSE)
+    assert not only.matches(head + '{"name": "get_weather", "arguments": {"city": "x", "days": 1}}')
 
 
 # ---- the real bundled pair: a representative subset of the schema corpus (the bench runs all) ----
