@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ensemble_llm import Ensemble
 from ensemble_llm.bench import SUITE, bundled_task, load_task
-from ensemble_llm.evidence import answer_spans, span_positions
+from ensemble_llm.evidence import answer_positions, answer_spans
 
 
 def main() -> None:
@@ -33,8 +33,7 @@ def main() -> None:
         plain, scored, positions = [0.0] * len(eng.members), [0.0] * len(eng.members), []
         for i, m in enumerate(eng.members):
             ids = m.prompt_ids(prompt)
-            toks, ends = m.encode_with_offsets(prompt)
-            pos = span_positions(ends, answer_spans(prompt), len(ids) - len(toks))
+            pos = answer_positions(m, prompt, ids, answer_spans(prompt))
             positions.append(len(pos))
             a, b = [], []
             for _ in range(args.repeats):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ensemble_llm import Ensemble
 from ensemble_llm.bench import bundled_task, load_task
-from ensemble_llm.evidence import answer_spans, posterior, span_positions
+from ensemble_llm.evidence import answer_positions, answer_spans, posterior
 
 
 def evidence(eng: Ensemble, task: str) -> tuple[list[float], int, int]:
@@ -28,8 +28,7 @@ def evidence(eng: Ensemble, task: str) -> tuple[list[float], int, int]:
     out = []
     for m in eng.members:
         ids = m.prompt_ids(prompt)
-        toks, ends = m.encode_with_offsets(prompt)
-        out.append(sum(m.score_prompt(ids, span_positions(ends, spans, len(ids) - len(toks)))))
+        out.append(sum(m.score_prompt(ids, answer_positions(m, prompt, ids, spans))))
     return out, len(spans), sum(b - a for a, b in spans)
 
 

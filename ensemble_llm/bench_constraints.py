@@ -198,9 +198,7 @@ def markdown(results: dict) -> str:
               "prefills any member ran for one call. fwd/call: forward passes per call, one figure per member. "
               "matcher share: time inside the llguidance matchers over the request's time. s/token JSON / free: "
               "time per output token with the schema as `response_format` and without it, same prompts."]
-    failures = [(k, f) for k, r in results["methods"].items() for f in r["failures"]]
-    if failures:
-        lines += ["", "Failures:", ""] + [f"- {k} / {f['schema']}: {f['error']}" for k, f in failures]
+    lines += _failure_lines(results["methods"])
     if results.get("tight"):
         lines += [""] + _tight_markdown(results)
     return "\n".join(lines) + "\n"
@@ -220,10 +218,15 @@ def _tight_markdown(results: dict) -> list[str]:
               "schema's shortest document fits the budget in the main member's tokens (else the reply cannot "
               "be complete). closed early: replies the budget-aware closing finished (finish_reason "
               "\"length\", stats closed_early)."]
-    failures = [(k, f) for k, r in results["tight"].items() for f in r["failures"]]
-    if failures:
-        lines += ["", "Failures:", ""] + [f"- {k} / {f['schema']}: {f['error']}" for k, f in failures]
-    return lines
+    return lines + _failure_lines(results["tight"])
+
+
+def _failure_lines(rows: dict) -> list[str]:
+    """A "Failures:" list (method / schema: error) for a results section's rows, or nothing."""
+    failures = [(k, f) for k, r in rows.items() for f in r["failures"]]
+    if not failures:
+        return []
+    return ["", "Failures:", ""] + [f"- {k} / {f['schema']}: {f['error']}" for k, f in failures]
 
 
 def write(results: dict, out: Path) -> list[Path]:

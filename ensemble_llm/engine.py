@@ -22,7 +22,7 @@ import torch
 from .chat import (BASE_PREAMBLE, ToolCall, ToolTextFilter, call_key, check_preamble, content_text, history_calls,
                    member_messages, with_preamble)
 from .constraints import Guide
-from .evidence import answer_spans, chat_spans, posterior, span_positions
+from .evidence import answer_positions, answer_spans, chat_spans, posterior
 from .errors import ConfigError, EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
 from .members import DEFAULT_MODELS, Member, load_member, resolve_device, resolve_dtype, resolve_source
 from .members.loader import local_dir
@@ -698,9 +698,7 @@ class Ensemble:
         plans = []
         for m, text, ids in zip(members, texts, prompt_ids):
             spans = answer_spans(text) if job.params.raw else chat_spans(text, answers)
-            toks, ends = m.encode_with_offsets(text)
-            offset = len(ids) - len(toks)
-            positions = span_positions(ends, spans, offset) if spans and offset >= 0 and ids[offset:] == toks else []
+            positions = answer_positions(m, text, ids, spans)
             if not positions:
                 return prior, main
             plans.append((positions, len(spans)))

@@ -82,6 +82,17 @@ def span_positions(ends: Sequence[int], spans: Sequence[tuple[int, int]], offset
     return [p for p in out if p >= 1][-MAX_POSITIONS:]
 
 
+def answer_positions(member, text: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """The positions in `ids` (member's prompt ids for `text`: its BOS, then the text's tokens)
+    of the tokens that end inside `spans`; [] when there is no span or the ids are not the text's
+    canonical tokens after a BOS (then the evidence cannot be read from this prompt)."""
+    toks, ends = member.encode_with_offsets(text)
+    offset = len(ids) - len(toks)
+    if not spans or offset < 0 or list(ids[offset:]) != toks:
+        return []
+    return span_positions(ends, spans, offset)
+
+
 def posterior(prior: Sequence[float], evidence: Sequence[float], temperature: float = 1.0) -> list[float]:
     """log w_k = log prior_k + evidence_k / temperature, normalised, floored at FLOOR."""
     logs = [math.log(max(p, 1e-300)) + e / temperature for p, e in zip(prior, evidence)]
