@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ensemble_llm import ConfigError
-from ensemble_llm.bench import (BUNDLED_TASKS, SUITE, bundled_task, load_task, markdown, norm, parse_methods,
+from ensemble_llm.bench import (BUNDLED_TASKS, INSTRUCTIONS, SUITE, bundled_task, load_task, markdown, norm, parse_methods,
                                 resolve_task, run_bench, write)
 from ensemble_llm.cli import main
 
@@ -23,6 +23,12 @@ def test_parse_methods():
         parse_methods(["smc:min"], 2)
 
 
+def test_own_task_file_gets_no_instruction(tmp_path):
+    own = tmp_path / "plural_dev.jsonl"  # same name as a bundled task, but the user's file
+    own.write_text(bundled_task("plural").read_text(encoding="utf-8"), encoding="utf-8")
+    assert load_task(own, 2)[0].startswith("Q: ")
+
+
 def test_tasks_and_scoring():
     for name in BUNDLED_TASKS:
         shots, exs = load_task(bundled_task(name), 5)
@@ -30,6 +36,7 @@ def test_tasks_and_scoring():
             assert shots == "" and len(exs) == 5
             continue
         assert shots.count("Q: ") == 3 and len(exs) == 5 and all(ex["targets"] for ex in exs)
+        assert shots.startswith(INSTRUCTIONS[name] + "\n\nQ: ")
     assert resolve_task("qa_wikidata:7", 20) == (bundled_task("qa_wikidata"), 7)
     with pytest.raises(ConfigError, match="neither a bundled task"):
         resolve_task("nope:3", 20)
