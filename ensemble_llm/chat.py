@@ -391,8 +391,8 @@ def tool_call_constraint(tools: list[dict], tool_choice: str):
     from .constraints import Constraint, styled
 
     allowed = [t["function"] for t in tools if tool_choice == "required" or t["function"]["name"] == tool_choice]
-    rules, names = [], []
-    for i, fn in enumerate(allowed):
+    heads, bodies = [], []
+    for fn in allowed:
         params = fn.get("parameters")
         if not params or (isinstance(params, dict) and params.get("type") == "object" and not params.get("properties")
                           and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf",
@@ -405,9 +405,12 @@ def tool_call_constraint(tools: list[dict], tool_choice: str):
         except RequestError as exc:
             raise RequestError(f"tool {fn['name']!r}: {exc}") from None
         schema = styled(params)
-        head = json.dumps({"name": fn["name"]})[:-1] + ', "arguments": '
-        rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} \"}}\"")
-        names.append(f"call_{i}")
+        heads.append(json.dumps({"name": fn["name"]})[:-1] + ', "arguments": ')
+        bodies.append(f"%json {json.dumps(schema)} \"}}\"")
     # no tags: a forced call is known to be a call (`parse_tool_calls` reads a bare call object),
     # and the ~6-10 tokens the tags cost go to the arguments (budget-aware closing counts them)
-    return dataclasses.replace(Constraint.lark("start: " + " | ".join(names) + "\n" + "\n".join(rules)), whole=True)
+    if len(heads) == 1:  # one allowed tool: its name is no choice, so the head ends the prompt (Constraint.head)
+        return dataclasses.replace(Constraint.lark(f"start: {bodies[0]}"), whole=True, head=heads[0])
+    rules = [f"call_{i}: {json.dumps(h)} {b}" for i, (h, b) in enumerate(zip(heads, bodies))]
+    grammar = "start: " + " | ".join(f"call_{i}" for i in range(len(rules))) + "\n" + "\n".join(rules)
+    return dataclasses.replace(Constraint.lark(grammar), whole=True)

@@ -26,6 +26,7 @@ import math
 import re
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -213,6 +214,10 @@ class Constraint:
     source: str  # the schema as JSON text, the pattern, the options as JSON, the Lark text
     grammar: str  # llguidance's grammar text
     whole: bool = False  # a cut match is useless (a forced tool call): refuse a budget it cannot fit
+    # text the reply starts with that no member chooses (a call to the one allowed tool starts with
+    # its name): it ends every member's prompt instead of being generated, so it costs no output
+    # token and no forward of its own, and the reply's text starts with it; the grammar is the rest
+    head: str = ""
 
     # ---- builders ------------------------------------------------------------------------
     @classmethod
@@ -290,7 +295,7 @@ class Constraint:
                            "'json_schema'.")
 
     def _replace_kind(self, kind: str) -> "Constraint":
-        return Constraint(kind, self.source, self.grammar, self.whole)
+        return dataclasses.replace(self, kind=kind)
 
     # ---- checks ----------------------------------------------------------------------------
     def check(self) -> None:
@@ -306,14 +311,16 @@ class Constraint:
         return _llguidance().LLMatcher(byte_tokenizer(), self.grammar, log_level=0)
 
     def matches(self, text: str) -> bool:
-        """Whether `text` is a complete match (used to check outputs)."""
+        """Whether `text` is a complete match (used to check outputs), its `head` included."""
+        if not text.startswith(self.head):
+            return False
         m = self.byte_matcher()
-        data = list(text.encode("utf-8"))
+        data = list(text[len(self.head):].encode("utf-8"))
         return m.try_consume_tokens(data) == len(data) and m.is_accepting()
 
     def __repr__(self) -> str:
         src = self.source if len(self.source) < 60 else self.source[:57] + "..."
-        return f"Constraint.{self.kind}({src})"
+        return f"Constraint.{self.kind}({src})" + (f" after {self.head!r}" if self.head else "")
 
 
 def _first_line(error: str) -> str:
@@ -634,7 +641,7 @@ class Guide:
             if self.constraint.whole:
                 raise RequestError(
                     f"the forced tool call needs at least {need - CLOSE_MARGIN} tokens (its shortest form: "
-                    f"{self.completion(b'').decode('utf-8', 'replace')}), but the budget (max_tokens / "
+                    f"{self.constraint.head}{self.completion(b'').decode('utf-8', 'replace')}), but the budget (max_tokens / "
                     f"max_new_tokens) is {budget}; raise it to {need - CLOSE_MARGIN} or more (a useful call needs "
                     "room for its arguments).")
 

@@ -61,7 +61,7 @@ class GenerationResult:
     method: str = ""
     models: list[str] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
-    raw_text: str = ""  # everything generated, tool-call markup included
+    raw_text: str = ""  # the reply's whole text, tool-call markup (and a forced call's fixed head) included
     run_stats: RunStats | None = None  # the method's own figures, typed (its Method.stats_class)
 
 
@@ -643,7 +643,8 @@ class Ensemble:
             msgs, member_tools = member_messages(m, msgs, tools, tool_choice)
             texts.append(m.render_chat(msgs, tools=member_tools))
             stops += [s for s in m.chat_stop_strings if s not in stops]
-        return texts, stops
+        head = job.params.constraint.head if job.params.constraint else ""
+        return [t + head for t in texts], stops
 
     def _run(self, job: _Job, texts: list[str], stops: list[str], weights: list[float], main: int, out: "_Output",
              cancel: threading.Event) -> "_Run":
@@ -668,6 +669,8 @@ class Ensemble:
         # the model writes anyway (imitating its history) is cut from the content, not returned
         run = _Run(req, ToolTextFilter(list(p.tools) if p.tools else None), notes=run_notes)
         matcher = StopMatcher(stops)
+        if p.constraint and p.constraint.head:  # the reply's fixed start, given at the end of the prompts
+            out.send(run.filter.feed(p.constraint.head))
         gen = self._method.run(req)
         try:
             for piece in gen:
@@ -734,7 +737,9 @@ class Ensemble:
         members, req = self.members, run.req
         stats = {**req.stats.to_dict(), **run.notes}
         raw_text = run.filter.text
-        usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(raw_text)) if raw_text else 0)
+        head = job.params.constraint.head if job.params.constraint else ""  # in the prompt, not generated
+        written = raw_text[len(head):] if raw_text.startswith(head) else raw_text
+        usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(written)) if written else 0)
         stats["members"] = {}
         moved = 0
         for m, (n0, t0, p0, b0, r0) in zip(members, before):

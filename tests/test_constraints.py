@@ -238,9 +238,15 @@ def test_forced_bytes_are_written_without_sampling(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"]], method="single").load()
     res = eng.generate("Weather?", tools=[WEATHER], tool_choice="get_weather", max_new_tokens=60)
     st = res.stats
-    # '{"name": "get_weather", "arguments": {"city": "' and the rest of the syntax are
-    # forced: they cost no sampling step, and several forced tokens share one forward
-    assert st["forced"] >= 10 and st["members"][eng.members[0].name]["forward_passes"] < st["tokens_out"]
+    # '{"city": "', '", "days": ' and the closing are forced: they cost no sampling step, and
+    # several forced tokens share one forward
+    assert st["forced"] >= 4 and st["members"][eng.members[0].name]["forward_passes"] < st["tokens_out"]
+    # the call's fixed start ('{"name": "get_weather", "arguments": ') ends the prompt: it is in
+    # the reply's text but is neither generated nor counted as output
+    head = '{"name": "get_weather", "arguments": '
+    assert res.raw_text.startswith(head) and res.tool_calls[0].name == "get_weather"
+    assert res.usage.completion_tokens == len(eng.members[0].encode(res.raw_text[len(head):]))
+    assert st["tokens_out"] == res.usage.completion_tokens
 
 
 def test_tool_call_grammar_is_exact():
@@ -254,6 +260,11 @@ def test_tool_call_grammar_is_exact():
     assert not c.matches(TOOL_OPEN + '\n{"name": "ping", "arguments": {}}\n' + TOOL_CLOSE)
     only = tool_call_constraint([WEATHER, ADD], "add")
     assert not only.matches(head + '{"name": "get_weather", "arguments": {"city": "x", "days": 1}}')
+    # one allowed tool: its name is fixed, so the call's start is the constraint's head (it ends
+    # the prompts); the grammar is the arguments and the closing brace
+    assert c.head == "" and only.head == '{"name": "add", "arguments": '
+    assert only.matches('{"name": "add", "arguments": {"a": 1, "b": 2}}') and not only.matches('{"a": 1, "b": 2}}')
+    assert only.byte_matcher().try_consume_tokens(list(b'{"a": 1, "b": 2}}')) == 17
 
 
 # ---- the real bundled pair: a representative subset of the schema corpus (the bench runs all) ----
