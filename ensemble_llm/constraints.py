@@ -20,13 +20,13 @@ a matcher (llguidance's `try_consume_tokens`), so a matcher never falls into its
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import math
 import re
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 

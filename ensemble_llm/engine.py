@@ -74,6 +74,12 @@ class _Job:
     submitted: float = field(default_factory=time.perf_counter)  # the timeout counts from here
     shows_text: bool = True  # a stream's deltas reach the caller; generate() only keeps the result
 
+    @property
+    def head(self) -> str:
+        """The reply's fixed start that ends every member's prompt instead of being generated
+        (`Constraint.head`: a forced call to the one allowed tool); "" for other requests."""
+        return self.params.constraint.head if self.params.constraint else ""
+
     def check_deadline(self) -> None:
         """RequestTimeout once `timeout` seconds have passed since the request was submitted
         (time waiting in the queue, loading and any retry all count)."""
@@ -643,8 +649,7 @@ class Ensemble:
             msgs, member_tools = member_messages(m, msgs, tools, tool_choice)
             texts.append(m.render_chat(msgs, tools=member_tools))
             stops += [s for s in m.chat_stop_strings if s not in stops]
-        head = job.params.constraint.head if job.params.constraint else ""
-        return [t + head for t in texts], stops
+        return [t + job.head for t in texts], stops
 
     def _run(self, job: _Job, texts: list[str], stops: list[str], weights: list[float], main: int, out: "_Output",
              cancel: threading.Event) -> "_Run":
@@ -669,8 +674,8 @@ class Ensemble:
         # the model writes anyway (imitating its history) is cut from the content, not returned
         run = _Run(req, ToolTextFilter(list(p.tools) if p.tools else None), notes=run_notes)
         matcher = StopMatcher(stops)
-        if p.constraint and p.constraint.head:  # the reply's fixed start, given at the end of the prompts
-            out.send(run.filter.feed(p.constraint.head))
+        if job.head:  # the reply's fixed start, given at the end of the prompts
+            out.send(run.filter.feed(job.head))
         gen = self._method.run(req)
         try:
             for piece in gen:
@@ -737,8 +742,7 @@ class Ensemble:
         members, req = self.members, run.req
         stats = {**req.stats.to_dict(), **run.notes}
         raw_text = run.filter.text
-        head = job.params.constraint.head if job.params.constraint else ""  # in the prompt, not generated
-        written = raw_text[len(head):] if raw_text.startswith(head) else raw_text
+        written = raw_text.removeprefix(job.head)  # the head was in the prompt, not generated
         usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(written)) if written else 0)
         stats["members"] = {}
         moved = 0
