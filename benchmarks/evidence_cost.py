@@ -45,27 +45,46 @@ def main() -> None:
                 m.prefill(ids)  # the hand-over: no second forward
                 b.append(time.perf_counter() - t0)
             plain[i], scored[i] = statistics.median(a), statistics.median(b)
-        req = statistics.median(eng.generate(prompt, raw=True, stop=["\n"], max_new_tokens=24).stats["time_s"]
-                                for _ in range(args.repeats))
+        req = statistics.median(
+            eng.generate(prompt, raw=True, stop=["\n"], max_new_tokens=24).stats["time_s"] for _ in range(args.repeats)
+        )
         extra = sum(scored) - sum(plain)
-        rows.append({"task": task, "prompt_tokens": [len(m.prompt_ids(prompt)) for m in eng.members],
-                     "scored_positions": positions, "prefill_s": plain, "scored_prefill_s": scored,
-                     "extra_s": extra, "request_s": req, "extra_fraction_of_request": extra / req})
+        rows.append(
+            {
+                "task": task,
+                "prompt_tokens": [len(m.prompt_ids(prompt)) for m in eng.members],
+                "scored_positions": positions,
+                "prefill_s": plain,
+                "scored_prefill_s": scored,
+                "extra_s": extra,
+                "request_s": req,
+                "extra_fraction_of_request": extra / req,
+            }
+        )
         print(rows[-1])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = [m.name for m in eng.members]
     (out / "results.json").write_text(json.dumps({"members": names, "repeats": args.repeats, "rows": rows}, indent=2))
-    lines = [f"# Cost of the per-request weights ({', '.join(names)}, CPU, median of {args.repeats})", "",
-             "| task | prompt tokens | scored rows | prefill s | prefill + scoring s | extra s | unite request s | extra / request |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Cost of the per-request weights ({', '.join(names)}, CPU, median of {args.repeats})",
+        "",
+        "| task | prompt tokens | scored rows | prefill s | prefill + scoring s | extra s | unite request s "
+        "| extra / request |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['task']} | {'/'.join(map(str, r['prompt_tokens']))} | {'/'.join(map(str, r['scored_positions']))} | "
-                     f"{'/'.join(f'{x:.3f}' for x in r['prefill_s'])} | {'/'.join(f'{x:.3f}' for x in r['scored_prefill_s'])} | "
-                     f"{r['extra_s']:+.3f} | {r['request_s']:.2f} | {r['extra_fraction_of_request']:.1%} |")
+        lines.append(
+            f"| {r['task']} | {'/'.join(map(str, r['prompt_tokens']))} | {'/'.join(map(str, r['scored_positions']))} | "
+            f"{'/'.join(f'{x:.3f}' for x in r['prefill_s'])} | {'/'.join(f'{x:.3f}' for x in r['scored_prefill_s'])} | "
+            f"{r['extra_s']:+.3f} | {r['request_s']:.2f} | {r['extra_fraction_of_request']:.1%} |"
+        )
     mean = statistics.mean(r["extra_fraction_of_request"] for r in rows)
-    lines += ["", f"Mean extra over a whole request: {mean:.1%}. Command: `python benchmarks/evidence_cost.py "
-              f"--repeats {args.repeats} --out {args.out}`"]
+    lines += [
+        "",
+        f"Mean extra over a whole request: {mean:.1%}. Command: `python benchmarks/evidence_cost.py "
+        f"--repeats {args.repeats} --out {args.out}`",
+    ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

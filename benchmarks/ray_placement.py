@@ -23,15 +23,32 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-PROMPTS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?", "Describe a cat.",
-           "What is photosynthesis?", "Give two tips for sleeping well.", "What is a prime number?",
-           "Write one sentence about the sea."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Why is the sky blue?",
+    "Describe a cat.",
+    "What is photosynthesis?",
+    "Give two tips for sleeping well.",
+    "What is a prime number?",
+    "Write one sentence about the sea.",
+]
 
 
-SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
-    "type": "object", "properties": {"answer": {"type": "string", "maxLength": 60},
-                                     "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
-    "required": ["answer", "confidence"]}}}
+SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "answer": {"type": "string", "maxLength": 60},
+                "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+            },
+            "required": ["answer", "confidence"],
+        },
+    },
+}
 
 
 def run(engine, prompt: str, max_tokens: int, response_format=None):
@@ -46,8 +63,11 @@ def run(engine, prompt: str, max_tokens: int, response_format=None):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m-instruct,gemma-3-270m")
-    ap.add_argument("--methods", default="single,unite,safe,specfuse,smc,safe+json",
-                    help="comma-separated; METHOD+json answers under a JSON Schema response_format")
+    ap.add_argument(
+        "--methods",
+        default="single,unite,safe,specfuse,smc,safe+json",
+        help="comma-separated; METHOD+json answers under a JSON Schema response_format",
+    )
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--smc-max-tokens", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
@@ -87,34 +107,52 @@ def main() -> None:
             acc["trips"] += sum(m["round_trips"] for m in b.stats["members"].values())
         n = max(1, acc["tokens"])
         row = {
-            "method": label, "prompts": args.prompts, "max_tokens": budget, "tokens": int(acc["tokens"]),
+            "method": label,
+            "prompts": args.prompts,
+            "max_tokens": budget,
+            "tokens": int(acc["tokens"]),
             "texts_equal": f"{equal}/{args.prompts}",
-            "local_s_per_token": acc["local_s"] / n, "ray_s_per_token": acc["ray_s"] / n,
+            "local_s_per_token": acc["local_s"] / n,
+            "ray_s_per_token": acc["ray_s"] / n,
             "ray_over_local": acc["ray_s"] / max(1e-9, acc["local_s"]),
-            "bytes_moved_per_token": acc["bytes"] / n, "round_trips_per_token": acc["trips"] / n,
-            "local_forward_s_per_token": acc["local_fwd"] / n, "ray_actor_forward_s_per_token": acc["ray_fwd"] / n,
+            "bytes_moved_per_token": acc["bytes"] / n,
+            "round_trips_per_token": acc["trips"] / n,
+            "local_forward_s_per_token": acc["local_fwd"] / n,
+            "ray_actor_forward_s_per_token": acc["ray_fwd"] / n,
             "local_other_s_per_token": (acc["local_s"] - acc["local_fwd"]) / n,
             "ray_other_s_per_token": (acc["ray_s"] - acc["ray_fwd"]) / n,
         }
         rows.append(row)
         print(json.dumps(row))
-    results = {"models": models, "cpus_per_member": args.cpus_per_member, "torch": torch.__version__,
-               "ray": ray.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(), "methods": rows}
+    results = {
+        "models": models,
+        "cpus_per_member": args.cpus_per_member,
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "methods": rows,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    md = [f"# placement='ray' against 'local': {', '.join(models)}\n",
-          f"{args.prompts} chat prompts, greedy, up to {args.max_tokens} tokens ({args.smc_max_tokens} for smc); "
-          f"a local Ray cluster on this machine ({os.cpu_count()} CPUs), {args.cpus_per_member:g} CPU per member actor "
-          "(torch threads = its CPUs); the local engine uses every core.\n",
-          "| method | texts equal | local s/token | ray s/token | ray / local | bytes moved / token | round trips / token | "
-          "forward s/token local | forward s/token actors (sum) | other s/token local | other s/token ray |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        f"# placement='ray' against 'local': {', '.join(models)}\n",
+        f"{args.prompts} chat prompts, greedy, up to {args.max_tokens} tokens ({args.smc_max_tokens} for smc); "
+        f"a local Ray cluster on this machine ({os.cpu_count()} CPUs), {args.cpus_per_member:g} CPU per member actor "
+        "(torch threads = its CPUs); the local engine uses every core.\n",
+        "| method | texts equal | local s/token | ray s/token | ray / local | bytes moved / token "
+        "| round trips / token | "
+        "forward s/token local | forward s/token actors (sum) | other s/token local | other s/token ray |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        md.append(f"| {r['method']} | {r['texts_equal']} | {r['local_s_per_token']:.4f} | {r['ray_s_per_token']:.4f} | "
-                  f"{r['ray_over_local']:.2f} | {r['bytes_moved_per_token']:.0f} | {r['round_trips_per_token']:.1f} | "
-                  f"{r['local_forward_s_per_token']:.4f} | {r['ray_actor_forward_s_per_token']:.4f} | "
-                  f"{r['local_other_s_per_token']:.4f} | {r['ray_other_s_per_token']:.4f} |")
+        md.append(
+            f"| {r['method']} | {r['texts_equal']} | {r['local_s_per_token']:.4f} | {r['ray_s_per_token']:.4f} | "
+            f"{r['ray_over_local']:.2f} | {r['bytes_moved_per_token']:.0f} | {r['round_trips_per_token']:.1f} | "
+            f"{r['local_forward_s_per_token']:.4f} | {r['ray_actor_forward_s_per_token']:.4f} | "
+            f"{r['local_other_s_per_token']:.4f} | {r['ray_other_s_per_token']:.4f} |"
+        )
     text = "\n".join(md) + "\n"
     (out / "results.md").write_text(text)
     print(text)

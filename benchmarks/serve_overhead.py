@@ -22,9 +22,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-PROMPTS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?", "Describe a cat.",
-           "What is photosynthesis?", "Give two tips for sleeping well.", "What is a prime number?",
-           "Write one sentence about the sea."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Why is the sky blue?",
+    "Describe a cat.",
+    "What is photosynthesis?",
+    "Give two tips for sleeping well.",
+    "What is a prime number?",
+    "Write one sentence about the sea.",
+]
 
 
 def main() -> None:
@@ -36,8 +43,8 @@ def main() -> None:
     ap.add_argument("--out", default="serve-overhead")
     args = ap.parse_args()
     import openai
-
     from conftest import start_server
+
     from ensemble_llm import Ensemble
 
     models = args.models.split(",")
@@ -54,8 +61,9 @@ def main() -> None:
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
         t, tokens = time.perf_counter(), 0
         for p in PROMPTS:
-            res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": p}],
-                                                 max_tokens=args.max_tokens)
+            res = client.chat.completions.create(
+                model="x", messages=[{"role": "user", "content": p}], max_tokens=args.max_tokens
+            )
             tokens += res.usage.completion_tokens
         one_s, one_tokens = time.perf_counter() - t, tokens
 
@@ -66,8 +74,9 @@ def main() -> None:
 
             async def one(p):
                 async with sem:
-                    r = await aclient.chat.completions.create(model="x", messages=[{"role": "user", "content": p}],
-                                                              max_tokens=args.max_tokens)
+                    r = await aclient.chat.completions.create(
+                        model="x", messages=[{"role": "user", "content": p}], max_tokens=args.max_tokens
+                    )
                     return r.usage.completion_tokens
 
             t0 = time.perf_counter()
@@ -79,28 +88,34 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     results = {
-        "models": models, "method": args.method, "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
+        "models": models,
+        "method": args.method,
+        "max_tokens": args.max_tokens,
+        "prompts": len(PROMPTS),
         "in_process_s_per_token": local_s / max(1, local_tokens),
         "server_1_client_s_per_token": one_s / max(1, one_tokens),
         "server_over_in_process": (one_s / max(1, one_tokens)) / (local_s / max(1, local_tokens)),
         "in_process_tokens_per_s": local_tokens / local_s,
-        "server_clients": args.clients, "server_many_tokens_per_s": many_tokens / many_s,
+        "server_clients": args.clients,
+        "server_many_tokens_per_s": many_tokens / many_s,
         "server_many_over_in_process_throughput": (many_tokens / many_s) / (local_tokens / local_s),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    md = (f"# Server overhead: {args.method} over {', '.join(models)}\n\n"
-          f"{len(PROMPTS)} chat prompts, greedy, up to {args.max_tokens} tokens each.\n\n"
-          "| | s/token | tokens/s |\n|---|---|---|\n"
-          f"| in process, one request at a time | {results['in_process_s_per_token']:.4f} | "
-          f"{results['in_process_tokens_per_s']:.1f} |\n"
-          f"| through the server, 1 client | {results['server_1_client_s_per_token']:.4f} | |\n"
-          f"| through the server, {args.clients} concurrent clients | | {results['server_many_tokens_per_s']:.1f} |\n\n"
-          f"1-client ratio (server / in process, per token): {results['server_over_in_process']:.3f}. "
-          f"{args.clients}-client throughput over in-process sequential: "
-          f"{results['server_many_over_in_process_throughput']:.2f}x (one engine decodes one request at a time, "
-          "so concurrency adds no throughput; it must not lose any).\n")
+    md = (
+        f"# Server overhead: {args.method} over {', '.join(models)}\n\n"
+        f"{len(PROMPTS)} chat prompts, greedy, up to {args.max_tokens} tokens each.\n\n"
+        "| | s/token | tokens/s |\n|---|---|---|\n"
+        f"| in process, one request at a time | {results['in_process_s_per_token']:.4f} | "
+        f"{results['in_process_tokens_per_s']:.1f} |\n"
+        f"| through the server, 1 client | {results['server_1_client_s_per_token']:.4f} | |\n"
+        f"| through the server, {args.clients} concurrent clients | | {results['server_many_tokens_per_s']:.1f} |\n\n"
+        f"1-client ratio (server / in process, per token): {results['server_over_in_process']:.3f}. "
+        f"{args.clients}-client throughput over in-process sequential: "
+        f"{results['server_many_over_in_process_throughput']:.2f}x (one engine decodes one request at a time, "
+        "so concurrency adds no throughput; it must not lose any).\n"
+    )
     (out / "results.md").write_text(md)
     print(md)
 

@@ -23,8 +23,13 @@ def main() -> None:
     args = ap.parse_args()
     specs = [MethodSpec("single-0", "single", {"member": 0}), MethodSpec("single-1", "single", {"member": 1})]
     specs += [MethodSpec(f"unite-w{w}", "unite", {"weights": [w, 1 - w]}) for w in args.grid]
-    res = run_bench(list(DEFAULT_MODELS), specs, resolve_tasks([f"suite:{args.examples}"], args.examples),
-                    speed_prompts=0, progress=False)
+    res = run_bench(
+        list(DEFAULT_MODELS),
+        specs,
+        resolve_tasks([f"suite:{args.examples}"], args.examples),
+        speed_prompts=0,
+        progress=False,
+    )
     res["command"] = f"python benchmarks/weights_grid.py --examples {args.examples} --out {args.out}"
     write(res, Path(args.out))
     print((Path(args.out) / "results.md").read_text())

@@ -12,7 +12,6 @@ and scored on the left-out task; the sum of those left-out scores is what rule *
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -61,18 +60,28 @@ def main() -> None:
         best = max(rules, key=lambda r: sum(table[r][u][0] for u in hits if u != t))
         loto += table[best][t][0]
     n = sum(len(next(iter(h.values()))) for h in hits.values())
-    lines = [f"# Weighting rules on the weights grid ({n} examples, nearest grid weight)", "",
-             "| rule | " + " | ".join(hits) + " | pooled |", "|" + "---|" * (len(hits) + 2)]
+    lines = [
+        f"# Weighting rules on the weights grid ({n} examples, nearest grid weight)",
+        "",
+        "| rule | " + " | ".join(hits) + " | pooled |",
+        "|" + "---|" * (len(hits) + 2),
+    ]
     for r, row in table.items():
-        lines.append(f"| {r} | " + " | ".join(f"{row[t][0]} (w {row[t][1]:.2f})" for t in hits)
-                     + f" | {sum(v[0] for v in row.values())} |")
+        lines.append(
+            f"| {r} | "
+            + " | ".join(f"{row[t][0]} (w {row[t][1]:.2f})" for t in hits)
+            + f" | {sum(v[0] for v in row.values())} |"
+        )
     singles = {k: sum(sum(hits[t][k]) for t in hits) for k in ("single-0", "single-1")}
     router = sum(max(sum(hits[t]["single-0"]), sum(hits[t]["single-1"])) for t in hits)
-    lines += ["", f"Members alone: {singles}; per-task router (oracle): {router}. Rule chosen on six tasks and "
-              f"scored on the seventh, summed: {loto}. Evidence (log-prob of the shown answers, "
-              f"answers, bytes): " + "; ".join(f"{t} {[round(x, 1) for x in e[0]]}, {e[1]}, {e[2]}"
-                                               for t, e in ev.items()),
-              "", f"Command: `python benchmarks/weights_rules.py {folder}`"]
+    lines += [
+        "",
+        f"Members alone: {singles}; per-task router (oracle): {router}. Rule chosen on six tasks and "
+        f"scored on the seventh, summed: {loto}. Evidence (log-prob of the shown answers, "
+        f"answers, bytes): " + "; ".join(f"{t} {[round(x, 1) for x in e[0]]}, {e[1]}, {e[2]}" for t, e in ev.items()),
+        "",
+        f"Command: `python benchmarks/weights_rules.py {folder}`",
+    ]
     (folder / "rules.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

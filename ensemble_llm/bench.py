@@ -38,20 +38,39 @@ from .errors import ConfigError
 from .methods import get_method
 
 SPEED_PROMPTS = [
-    "What is the capital of France?", "Explain why the sky is blue.", "Write a short poem about autumn.",
-    "Give three tips for staying healthy.", "What is photosynthesis?", "Describe a cat to a child.",
-    "How do airplanes fly?", "Summarize the story of Cinderella.", "What are prime numbers?",
-    "Write a haiku about the sea.", "Why do we have seasons?", "Name five fruits and their colours.",
-    "What does a computer's CPU do?", "Explain gravity in simple words.", "How do you make a cup of tea?",
-    "What is the tallest mountain in the world?", "Write a thank-you note to a friend.",
-    "What is the difference between weather and climate?", "List the planets of the solar system.",
+    "What is the capital of France?",
+    "Explain why the sky is blue.",
+    "Write a short poem about autumn.",
+    "Give three tips for staying healthy.",
+    "What is photosynthesis?",
+    "Describe a cat to a child.",
+    "How do airplanes fly?",
+    "Summarize the story of Cinderella.",
+    "What are prime numbers?",
+    "Write a haiku about the sea.",
+    "Why do we have seasons?",
+    "Name five fruits and their colours.",
+    "What does a computer's CPU do?",
+    "Explain gravity in simple words.",
+    "How do you make a cup of tea?",
+    "What is the tallest mountain in the world?",
+    "Write a thank-you note to a friend.",
+    "What is the difference between weather and climate?",
+    "List the planets of the solar system.",
     "Why is reading important?",
 ]
 # the defaults of `ensemble-llm bench`: about 35 minutes for the bundled pair on 2 CPU cores
 DEFAULT_METHODS = ("single", "unite", "safe", "specfuse", "smc:n_particles=4")
 # the multi-task dev suite (BIG-bench, generative, exact match): `--tasks suite` runs all seven
-SUITE = ("qa_wikidata", "periodic_elements", "tense", "plural", "question_formation", "de_past_tense",
-         "object_counting")
+SUITE = (
+    "qa_wikidata",
+    "periodic_elements",
+    "tense",
+    "plural",
+    "question_formation",
+    "de_past_tense",
+    "object_counting",
+)
 BUNDLED_TASKS = SUITE + ("chat_facts",)
 # One instruction line heads each suite task's few-shot prompt (written once from the BIG-bench
 # task descriptions, not tuned): with the bare "Q:/A:" shots the bundled members copy the input on
@@ -89,7 +108,7 @@ def repeats(text: str, n: int = 6) -> bool:
     if len(sentences) != len(set(sentences)):
         return True
     words = re.findall(r"\w+", text.lower())
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return len(grams) != len(set(grams))
 
 
@@ -158,6 +177,7 @@ class PeakMemory:
                 return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):  # not Linux: the process's lifetime peak
             import resource
+
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def __enter__(self) -> "PeakMemory":
@@ -210,8 +230,9 @@ def resolve_tasks(items: Sequence[str], default_n: int) -> list[tuple[Path, int]
     return out
 
 
-def bootstrap_diff(a: dict[str, Sequence[int]], b: dict[str, Sequence[int]], *, resamples: int = BOOTSTRAP,
-                   seed: int = 0) -> dict[str, float]:
+def bootstrap_diff(
+    a: dict[str, Sequence[int]], b: dict[str, Sequence[int]], *, resamples: int = BOOTSTRAP, seed: int = 0
+) -> dict[str, float]:
     """Paired bootstrap of the pooled accuracy difference a - b (in points, 0-100) over the tasks'
     examples: each resample draws every task's examples with replacement (stratified by task, so
     the task mix stays fixed), the same draws for a and b. Returns the difference and its 95%
@@ -228,9 +249,12 @@ def bootstrap_diff(a: dict[str, Sequence[int]], b: dict[str, Sequence[int]], *, 
         if len(d):
             total += d[rng.integers(0, len(d), size=(resamples, len(d)))].sum(axis=1)
     boot = 100.0 * total / n
-    return {"diff": round(100.0 * float(sum(d.sum() for d in diffs)) / n, 2),
-            "low": round(float(np.percentile(boot, 2.5)), 2), "high": round(float(np.percentile(boot, 97.5)), 2),
-            "examples": n}
+    return {
+        "diff": round(100.0 * float(sum(d.sum() for d in diffs)) / n, 2),
+        "low": round(float(np.percentile(boot, 2.5)), 2),
+        "high": round(float(np.percentile(boot, 97.5)), 2),
+        "examples": n,
+    }
 
 
 def compare_to_members(quality: dict[str, dict]) -> dict[str, Any]:
@@ -249,18 +273,24 @@ def compare_to_members(quality: dict[str, dict]) -> dict[str, Any]:
     score = {k: sum(sum(hits[t][k]) for t in tasks) for k in labels}
     best = max(singles, key=lambda k: (score[k], k))
     router = {t: hits[t][max(singles, key=lambda k: (sum(hits[t][k]), k))] for t in tasks}
-    out: dict[str, Any] = {"tasks": tasks, "best_single": best,
-                           "router_correct": sum(sum(v) for v in router.values()), "methods": {}}
+    out: dict[str, Any] = {
+        "tasks": tasks,
+        "best_single": best,
+        "router_correct": sum(sum(v) for v in router.values()),
+        "methods": {},
+    }
     for k in labels:
         if k in singles:
             continue
         mine = {t: hits[t][k] for t in tasks}
-        row = {"vs_best_single": bootstrap_diff(mine, {t: hits[t][best] for t in tasks}),
-               "vs_router": bootstrap_diff(mine, router), "per_task": {}}
+        row = {
+            "vs_best_single": bootstrap_diff(mine, {t: hits[t][best] for t in tasks}),
+            "vs_router": bootstrap_diff(mine, router),
+            "per_task": {},
+        }
         for t in tasks:
             task_best = max(singles, key=lambda s: (sum(hits[t][s]), s))
-            row["per_task"][t] = {"best_single": task_best,
-                                  **bootstrap_diff({t: mine[t]}, {t: hits[t][task_best]})}
+            row["per_task"][t] = {"best_single": task_best, **bootstrap_diff({t: mine[t]}, {t: hits[t][task_best]})}
         out["methods"][k] = row
     return out
 
@@ -272,8 +302,10 @@ def load_task(path: Path, n: int) -> tuple[str, list[dict]]:
             if not isinstance(x.get("input"), str) or not x.get("targets"):
                 raise ValueError(f"line {i + 1} lacks an 'input' string or a non-empty 'targets' list")
     except (ValueError, AttributeError) as exc:
-        raise ConfigError(f"task file {path} is not in the BIG-bench jsonl format "
-                          f"({{\"input\": ..., \"targets\": [...]}} per line): {exc}") from None
+        raise ConfigError(
+            f"task file {path} is not in the BIG-bench jsonl format "
+            f'({{"input": ..., "targets": [...]}} per line): {exc}'
+        ) from None
     if is_chat_task(path):
         return "", lines[:n]
     if len(lines) < 4:
@@ -282,7 +314,7 @@ def load_task(path: Path, n: int) -> tuple[str, list[dict]]:
     name = Path(path).stem.removesuffix("_dev")
     if name in INSTRUCTIONS and Path(path) == bundled_task(name):
         shots = INSTRUCTIONS[name] + "\n\n" + shots
-    return shots, lines[3: 3 + n]
+    return shots, lines[3 : 3 + n]
 
 
 def _progress(total: int, enabled: bool):
@@ -291,17 +323,28 @@ def _progress(total: int, enabled: bool):
     except ImportError:  # pragma: no cover - the bench extra brings tqdm
         tqdm = None
     if tqdm is None or not enabled:
+
         class _Null:
             def update(self, n=1): ...
             def set_postfix_str(self, s): ...
             def close(self): ...
+
         return _Null()
     return tqdm(total=total, unit="gen", dynamic_ncols=True)
 
 
-def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Sequence[tuple[Path, int]], *, speed_prompts: int = 5, max_new_tokens: int = 64,
-              third_member: str | None = None, device: str = "auto", progress: bool = True,
-              preambles: bool = True) -> dict:
+def run_bench(
+    models: Sequence[str],
+    methods: Sequence[MethodSpec],
+    tasks: Sequence[tuple[Path, int]],
+    *,
+    speed_prompts: int = 5,
+    max_new_tokens: int = 64,
+    third_member: str | None = None,
+    device: str = "auto",
+    progress: bool = True,
+    preambles: bool = True,
+) -> dict:
     """Run the benchmark and return the results dict (see module docstring)."""
     models = list(models)
     specs = list(methods)
@@ -315,14 +358,17 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
     if len(set(labels)) != len(labels):
         raise ConfigError(f"a method is listed twice: {sorted({x for x in labels if labels.count(x) > 1})}")
     if third_member:  # the members-scaling section: every ensemble method again with 3 members
-        specs += [MethodSpec(s.label + "+3", s.method, s.config, models + [third_member])
-                  for s in methods if s.method != "single"]
+        specs += [
+            MethodSpec(s.label + "+3", s.method, s.config, models + [third_member])
+            for s in methods
+            if s.method != "single"
+        ]
+
     def members_of(spec: MethodSpec) -> list:  # preambles=False: none, the base-model one included
         names = list(spec.members or models)
         return names if preambles else [{"model": m, "preamble": []} for m in names]
 
-    engines = {s.label: Ensemble(members_of(s), s.method, s.config, device=device, progress=progress)
-               for s in specs}
+    engines = {s.label: Ensemble(members_of(s), s.method, s.config, device=device, progress=progress) for s in specs}
     for eng in engines.values():
         eng.load()
         eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
@@ -379,33 +425,47 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
                     samples[key].append({"input": ex["input"], "output": out.strip(), "correct": ok})
                 bar.update()
                 bar.set_postfix_str(f"{task}: {key}")
-        quality[task] = {"examples": len(exs), "max_new_tokens": budget, "chat": chat,
-                         "accuracy": {k: v / max(1, len(exs)) for k, v in right.items()},
-                         "correct": right, "repeating": repeating if chat else None,
-                         "seconds": {k: round(v, 2) for k, v in seconds.items()}, "samples": samples,
-                         "hits": hits}
+        quality[task] = {
+            "examples": len(exs),
+            "max_new_tokens": budget,
+            "chat": chat,
+            "accuracy": {k: v / max(1, len(exs)) for k, v in right.items()},
+            "correct": right,
+            "repeating": repeating if chat else None,
+            "seconds": {k: round(v, 2) for k, v in seconds.items()},
+            "samples": samples,
+            "hits": hits,
+        }
     bar.close()
     total_s = time.perf_counter() - t_start
 
     base = "single-0" if "single-0" in engines else None
     results: dict[str, Any] = {
-        "models": models, "third_member": third_member, "preambles": preambles,
+        "models": models,
+        "third_member": third_member,
+        "preambles": preambles,
         "devices": sorted({str(m.device) for e in engines.values() for m in e.members}),
-        "dtype": str(first[0].dtype), "torch": torch.__version__, "machine": platform.machine(),
+        "dtype": str(first[0].dtype),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "speed_prompts": speed_prompts, "max_new_tokens": max_new_tokens,
+        "speed_prompts": speed_prompts,
+        "max_new_tokens": max_new_tokens,
         "examples_per_task": {t: q["examples"] for t, q in quality.items()},
-        "wall_time_s": round(total_s, 1), "methods": {},
+        "wall_time_s": round(total_s, 1),
+        "methods": {},
     }
     for spec in specs:
         key = spec.label
         s = speed[key]
         per_tok = s["time"] / max(1, s["tokens"])
         row: dict[str, Any] = {
-            "method": spec.method, "config": spec.config,
+            "method": spec.method,
+            "config": spec.config,
             "members": 1 if spec.method == "single" else len(engines[key].members),
-            "time_per_token_s": per_tok, "tokens": s["tokens"],
+            "time_per_token_s": per_tok,
+            "tokens": s["tokens"],
             "time_to_first_chunk_s": statistics.median(s["ttfc"]) if s["ttfc"] else None,
             "forward_passes_per_token": {n: v / max(1, s["tokens"]) for n, v in s["fwd"].items()},
             "bytes_per_s": s["bytes"] / s["time"] if s["time"] else None,
@@ -426,8 +486,10 @@ def run_bench(models: Sequence[str], methods: Sequence[MethodSpec], tasks: Seque
             row["weights_by_kind"] = {}
             for kind in ("chat", "raw"):
                 w, main = eng.member_weights(kind)
-                row["weights_by_kind"][kind] = {"weights": dict(zip(names, [round(x, 4) for x in w])),
-                                                "main": names[main]}
+                row["weights_by_kind"][kind] = {
+                    "weights": dict(zip(names, [round(x, 4) for x in w])),
+                    "main": names[main],
+                }
         results["methods"][key] = row
     if base and results["methods"][base]["time_per_token_s"] > 0:
         for row in results["methods"].values():
@@ -444,8 +506,9 @@ def add_main_ratios(results: dict, names: Sequence[str]) -> None:
     "safe at 1.5x its drafter" whichever member drafts the chat prompts. `names`: member names."""
     names = list(names)
     for row in results["methods"].values():
-        main = (row.get("weights_by_kind", {}).get("chat", {}).get("main")
-                or (names[row["config"].get("member", 0)] if row["method"] == "single" else None))
+        main = row.get("weights_by_kind", {}).get("chat", {}).get("main") or (
+            names[row["config"].get("member", 0)] if row["method"] == "single" else None
+        )
         if isinstance(row["config"].get("drafter"), int):  # an explicit drafter wins
             main = names[row["config"]["drafter"]]
         alone = results["methods"].get(f"single-{names.index(main)}") if main in names else None
@@ -467,15 +530,35 @@ def _method_figures(method: str, stats: list) -> dict[str, Any]:
 
 def markdown(results: dict) -> str:
     tasks = list(next(iter(results["methods"].values()))["accuracy"]) if results["methods"] else []
-    head = ["method", "members", "s/token", "x single-0", "x main alone", "bytes/s", "TTFC s", "fwd/token", "fwd/byte",
-            "peak MB"] + tasks + (["pooled", "s/example"] if tasks else []) + ["figures"]
-    lines = [f"# ensemble-llm bench: {', '.join(results['models'])} on {', '.join(results['devices'])}", "",
-             ("" if results.get("preambles", True) else "No member has a preamble (--no-preamble). ") +
-             f"{results['speed_prompts']} speed prompts x {results['max_new_tokens']} new tokens; task examples "
-             f"(3-shot, exact match): {', '.join(f'{t} {n}' for t, n in results['examples_per_task'].items()) or 'none'}; "
-             f"whole run {results['wall_time_s'] / 60:.1f} min.", "",
-             *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = (
+        [
+            "method",
+            "members",
+            "s/token",
+            "x single-0",
+            "x main alone",
+            "bytes/s",
+            "TTFC s",
+            "fwd/token",
+            "fwd/byte",
+            "peak MB",
+        ]
+        + tasks
+        + (["pooled", "s/example"] if tasks else [])
+        + ["figures"]
+    )
+    lines = [
+        f"# ensemble-llm bench: {', '.join(results['models'])} on {', '.join(results['devices'])}",
+        "",
+        ("" if results.get("preambles", True) else "No member has a preamble (--no-preamble). ")
+        + f"{results['speed_prompts']} speed prompts x {results['max_new_tokens']} new tokens; task examples "
+        f"(3-shot, exact match): {', '.join(f'{t} {n}' for t, n in results['examples_per_task'].items()) or 'none'}; "
+        f"whole run {results['wall_time_s'] / 60:.1f} min.",
+        "",
+        *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for label, r in results["methods"].items():
         fwd = ", ".join(f"{v:.2f}" for v in r["forward_passes_per_token"].values())
         figs = []
@@ -493,24 +576,36 @@ def markdown(results: dict) -> str:
         fwd_b = ", ".join(f"{v:.2f}" for v in r.get("forward_passes_per_byte", {}).values())
         bps = r.get("bytes_per_s")
         timed = bool(results["speed_prompts"])  # no speed prompts: the speed columns stay empty
-        cells = [label, str(r["members"]), f"{r['time_per_token_s']:.4f}" if timed else "",
-                 f"{r['ratio_to_single_0']:.2f}" if "ratio_to_single_0" in r else "",
-                 f"{r['ratio_to_main_alone']:.2f}" if "ratio_to_main_alone" in r else "",
-                 "" if bps is None else f"{bps:.1f}", "" if ttfc is None else f"{ttfc:.2f}", fwd, fwd_b,
-                 f"{r['peak_memory_mb']:.0f}" if timed else ""]
-        cells += [f"{r['accuracy'][t]:.1%}" + (f" ({r['repeating'][t]} rep.)" if t in r.get("repeating", {}) else "")
-                  for t in tasks]
+        cells = [
+            label,
+            str(r["members"]),
+            f"{r['time_per_token_s']:.4f}" if timed else "",
+            f"{r['ratio_to_single_0']:.2f}" if "ratio_to_single_0" in r else "",
+            f"{r['ratio_to_main_alone']:.2f}" if "ratio_to_main_alone" in r else "",
+            "" if bps is None else f"{bps:.1f}",
+            "" if ttfc is None else f"{ttfc:.2f}",
+            fwd,
+            fwd_b,
+            f"{r['peak_memory_mb']:.0f}" if timed else "",
+        ]
+        cells += [
+            f"{r['accuracy'][t]:.1%}" + (f" ({r['repeating'][t]} rep.)" if t in r.get("repeating", {}) else "")
+            for t in tasks
+        ]
         if tasks:
             per_ex = ", ".join(f"{r['task_seconds'][t] / max(1, results['examples_per_task'][t]):.2f}" for t in tasks)
             cells += [f"{pooled(r['accuracy'], results['examples_per_task']):.1%}", per_ex]
         cells += ["; ".join(figs)]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "s/token: per output token of the method's main member (chat prompts: the member with the largest "
-              "chat weight); x main alone: that time over the main member's own `single` in this run. "
-              "s/example: mean seconds per task example, one figure per task in column order. "
-              "fwd/token, fwd/byte: forward passes per output token or UTF-8 byte, one "
-              "figure per member (a batched forward counts once). "
-              "Peak MB: CUDA allocator peak on GPU; on CPU the process's resident memory, models included."]
+    lines += [
+        "",
+        "s/token: per output token of the method's main member (chat prompts: the member with the largest "
+        "chat weight); x main alone: that time over the main member's own `single` in this run. "
+        "s/example: mean seconds per task example, one figure per task in column order. "
+        "fwd/token, fwd/byte: forward passes per output token or UTF-8 byte, one "
+        "figure per member (a batched forward counts once). "
+        "Peak MB: CUDA allocator peak on GPU; on CPU the process's resident memory, models included.",
+    ]
     lines += comparison_markdown(results.get("comparison") or {})
     return "\n".join(lines) + "\n"
 
@@ -527,15 +622,23 @@ def comparison_markdown(cmp: dict[str, Any]) -> list[str]:
 
     first = next(iter(cmp["methods"].values()))
     n = first["vs_best_single"]["examples"]
-    lines = ["", f"## Against the members alone ({n} few-shot examples pooled)", "",
-             f"Points of accuracy, paired-bootstrap 95% interval in brackets. Best member pooled: "
-             f"{cmp['best_single']}; the per-task router (the better member on each task, chosen on these "
-             f"data) gets {cmp['router_correct']}/{n}. Per task: against that task's best member.", "",
-             "| method | vs best member | vs per-task router | " + " | ".join(tasks) + " |",
-             "|" + "---|" * (3 + len(tasks))]
+    lines = [
+        "",
+        f"## Against the members alone ({n} few-shot examples pooled)",
+        "",
+        f"Points of accuracy, paired-bootstrap 95% interval in brackets. Best member pooled: "
+        f"{cmp['best_single']}; the per-task router (the better member on each task, chosen on these "
+        f"data) gets {cmp['router_correct']}/{n}. Per task: against that task's best member.",
+        "",
+        "| method | vs best member | vs per-task router | " + " | ".join(tasks) + " |",
+        "|" + "---|" * (3 + len(tasks)),
+    ]
     for label, row in cmp["methods"].items():
-        lines.append(f"| {label} | {cell(row['vs_best_single'])} | {cell(row['vs_router'])} | "
-                     + " | ".join(cell(row["per_task"][t]) for t in tasks) + " |")
+        lines.append(
+            f"| {label} | {cell(row['vs_best_single'])} | {cell(row['vs_router'])} | "
+            + " | ".join(cell(row["per_task"][t]) for t in tasks)
+            + " |"
+        )
     return lines
 
 

@@ -31,7 +31,6 @@ from .bench import MethodSpec, _progress
 from .engine import Ensemble
 from .errors import ConfigError
 
-
 SECTIONS = ("calls", "cost", "tight")
 
 
@@ -43,14 +42,26 @@ def load_schemas(n: int | None = None, corpus: str = "schemas.jsonl") -> list[di
 
 
 def _tool(row: dict) -> dict:
-    return {"type": "function", "function": {"name": row["name"], "description": row["prompt"],
-                                             "parameters": row["schema"]}}
+    return {
+        "type": "function",
+        "function": {"name": row["name"], "description": row["prompt"], "parameters": row["schema"]},
+    }
 
 
-def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *, n_schemas: int | None = None,
-                         max_new_tokens: int = 160, cost_prompts: int = 6, cost_tokens: int = 48, device: str = "auto",
-                         progress: bool = True, sections: Sequence[str] = SECTIONS, tight_tokens: int = 64,
-                         n_tight: int | None = None) -> dict:
+def run_constraint_bench(
+    models: Sequence[str],
+    methods: Sequence[MethodSpec],
+    *,
+    n_schemas: int | None = None,
+    max_new_tokens: int = 160,
+    cost_prompts: int = 6,
+    cost_tokens: int = 48,
+    device: str = "auto",
+    progress: bool = True,
+    sections: Sequence[str] = SECTIONS,
+    tight_tokens: int = 64,
+    n_tight: int | None = None,
+) -> dict:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
         raise ConfigError(f"bench-constraints sections must be among {list(SECTIONS)}, got {list(sections)}")
@@ -58,8 +69,10 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
     if not schemas and ("calls" in sections or "cost" in sections):
         raise ConfigError("no schemas to run: give --schemas >= 1")
     tight = load_schemas(n_tight, "schemas_tight.jsonl") if "tight" in sections else []
-    engines = {s.label: Ensemble(list(s.members or models), s.method, s.config, device=device, progress=progress)
-               for s in methods}
+    engines = {
+        s.label: Ensemble(list(s.members or models), s.method, s.config, device=device, progress=progress)
+        for s in methods
+    }
     for eng in engines.values():
         eng.load()
         eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
@@ -82,18 +95,26 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
                 except jsonschema.ValidationError as exc:
                     error = f"invalid: {exc.message}"
             st = res.stats
-            calls[key].append({
-                "schema": row["name"], "valid": error is None, "error": error,
-                "arguments": res.tool_calls[0].arguments if res.tool_calls else None,
-                "time_s": st["time_s"], "tokens_out": st.get("tokens_out", 0), "forced": st.get("forced", 0),
-                "constraint_time_s": st.get("constraint_time_s", 0.0),
-                "forward_passes": {n: f["forward_passes"] for n, f in st["members"].items()},
-                "prefills": {n: f["prefills"] for n, f in st["members"].items()},
-            })
+            calls[key].append(
+                {
+                    "schema": row["name"],
+                    "valid": error is None,
+                    "error": error,
+                    "arguments": res.tool_calls[0].arguments if res.tool_calls else None,
+                    "time_s": st["time_s"],
+                    "tokens_out": st.get("tokens_out", 0),
+                    "forced": st.get("forced", 0),
+                    "constraint_time_s": st.get("constraint_time_s", 0.0),
+                    "forward_passes": {n: f["forward_passes"] for n, f in st["members"].items()},
+                    "prefills": {n: f["prefills"] for n, f in st["members"].items()},
+                }
+            )
             bar.update()
             bar.set_postfix_str(f"calls: {key}")
-    cost: dict[str, dict[str, float]] = {k: {"free_s": 0.0, "free_tokens": 0, "json_s": 0.0, "json_tokens": 0,
-                                             "matcher_s": 0.0, "json_valid": 0} for k in engines}
+    cost: dict[str, dict[str, float]] = {
+        k: {"free_s": 0.0, "free_tokens": 0, "json_s": 0.0, "json_tokens": 0, "matcher_s": 0.0, "json_valid": 0}
+        for k in engines
+    }
     for row in cost_rows:
         fmt = {"type": "json_schema", "json_schema": {"name": row["name"], "schema": row["schema"]}}
         for key, eng in engines.items():
@@ -125,29 +146,53 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
             except jsonschema.ValidationError as exc:
                 error = f"invalid: {exc.message}"
             st = res.stats
-            tight_rows[key].append({
-                "schema": row["name"], "valid": error is None, "error": error, "text": res.text,
-                "finish_reason": res.finish_reason, "closed_early": bool(st.get("closed_early")),
-                "fits": not st.get("closing_short_by"), "tokens_out": st.get("tokens_out", 0),
-                "time_s": st["time_s"]})
+            tight_rows[key].append(
+                {
+                    "schema": row["name"],
+                    "valid": error is None,
+                    "error": error,
+                    "text": res.text,
+                    "finish_reason": res.finish_reason,
+                    "closed_early": bool(st.get("closed_early")),
+                    "fits": not st.get("closing_short_by"),
+                    "tokens_out": st.get("tokens_out", 0),
+                    "time_s": st["time_s"],
+                }
+            )
             bar.update()
             bar.set_postfix_str(f"tight: {key}")
     bar.close()
-    results: dict[str, Any] = {"models": list(models), "schemas": len(call_rows), "cost_prompts": len(cost_rows),
-                               "max_new_tokens": max_new_tokens, "cost_tokens": cost_tokens,
-                               "sections": list(sections), "tight_schemas": len(tight), "tight_tokens": tight_tokens,
-                               "wall_time_s": round(time.perf_counter() - t_start, 1), "methods": {}, "tight": {}}
+    results: dict[str, Any] = {
+        "models": list(models),
+        "schemas": len(call_rows),
+        "cost_prompts": len(cost_rows),
+        "max_new_tokens": max_new_tokens,
+        "cost_tokens": cost_tokens,
+        "sections": list(sections),
+        "tight_schemas": len(tight),
+        "tight_tokens": tight_tokens,
+        "wall_time_s": round(time.perf_counter() - t_start, 1),
+        "methods": {},
+        "tight": {},
+    }
     for key, rows in tight_rows.items():
         if not rows:
             continue
         fitting = [r for r in rows if r["fits"]]
         results["tight"][key] = {
-            "valid": sum(r["valid"] for r in rows), "total": len(rows), "fitting": len(fitting),
-            "valid_of_fitting": sum(r["valid"] for r in fitting), "closed_early": sum(r["closed_early"] for r in rows),
-            "finish": {f: sum(r["finish_reason"] == f for r in rows) for f in sorted({r["finish_reason"] for r in rows})},
+            "valid": sum(r["valid"] for r in rows),
+            "total": len(rows),
+            "fitting": len(fitting),
+            "valid_of_fitting": sum(r["valid"] for r in fitting),
+            "closed_early": sum(r["closed_early"] for r in rows),
+            "finish": {
+                f: sum(r["finish_reason"] == f for r in rows) for f in sorted({r["finish_reason"] for r in rows})
+            },
             "seconds_per_call": sum(r["time_s"] for r in rows) / len(rows),
             "tokens_per_call": sum(r["tokens_out"] for r in rows) / len(rows),
-            "failures": [r for r in rows if not r["valid"]], "rows": rows}
+            "failures": [r for r in rows if not r["valid"]],
+            "rows": rows,
+        }
     for key, rows in calls.items():
         if not rows:
             continue
@@ -156,17 +201,21 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
         free_tok = c["free_s"] / max(1, c["free_tokens"])
         json_tok = c["json_s"] / max(1, c["json_tokens"])
         results["methods"][key] = {
-            "valid": sum(r["valid"] for r in rows), "calls": n,
+            "valid": sum(r["valid"] for r in rows),
+            "calls": n,
             "seconds_per_call": sum(r["time_s"] for r in rows) / n,
             "tokens_per_call": sum(r["tokens_out"] for r in rows) / n,
             "forced_fraction": sum(r["forced"] for r in rows) / max(1, sum(r["tokens_out"] for r in rows)),
             "max_prefills_per_member": max(max(r["prefills"].values()) for r in rows),
             "forward_passes_per_call": {m: sum(r["forward_passes"][m] for r in rows) / n for m in rows[0]["prefills"]},
-            "matcher_share_of_call_time": sum(r["constraint_time_s"] for r in rows) / max(1e-9, sum(r["time_s"] for r in rows)),
-            "free_time_per_token_s": free_tok, "json_time_per_token_s": json_tok,
+            "matcher_share_of_call_time": sum(r["constraint_time_s"] for r in rows)
+            / max(1e-9, sum(r["time_s"] for r in rows)),
+            "free_time_per_token_s": free_tok,
+            "json_time_per_token_s": json_tok,
             "json_over_free": json_tok / free_tok if free_tok else None,
             "matcher_share_of_json_time": c["matcher_s"] / max(1e-9, c["json_s"]),
-            "json_valid": c["json_valid"], "failures": [r for r in rows if not r["valid"]],
+            "json_valid": c["json_valid"],
+            "failures": [r for r in rows if not r["valid"]],
             "calls_detail": rows,
         }
     return results
@@ -174,30 +223,42 @@ def run_constraint_bench(models: Sequence[str], methods: Sequence[MethodSpec], *
 
 def markdown(results: dict) -> str:
     if not results["methods"]:  # only the tight-budget section ran
-        lines = [f"# ensemble-llm bench-constraints: {', '.join(results['models'])}", "",
-                 *([f"Command: `{results['command']}`", ""] if results.get("command") else [])]
+        lines = [
+            f"# ensemble-llm bench-constraints: {', '.join(results['models'])}",
+            "",
+            *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
+        ]
         return "\n".join(lines + _tight_markdown(results)) + "\n"
-    lines = [f"# ensemble-llm bench-constraints: {', '.join(results['models'])}", "",
-             f"{results['schemas']} JSON Schemas as forced tool calls, {results['cost_prompts']} of them also as "
-             f"`response_format` against the same prompt answered freely ({results['cost_tokens']} tokens each); call "
-             f"budget {results['max_new_tokens']} tokens; "
-             f"whole run {results['wall_time_s'] / 60:.1f} min.", "",
-             *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
-             "| method | valid calls | s/call | tokens/call | forced | prefills/member | fwd/call | "
-             "matcher share | s/token free | s/token JSON | JSON / free | JSON valid |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# ensemble-llm bench-constraints: {', '.join(results['models'])}",
+        "",
+        f"{results['schemas']} JSON Schemas as forced tool calls, {results['cost_prompts']} of them also as "
+        f"`response_format` against the same prompt answered freely ({results['cost_tokens']} tokens each); call "
+        f"budget {results['max_new_tokens']} tokens; "
+        f"whole run {results['wall_time_s'] / 60:.1f} min.",
+        "",
+        *([f"Command: `{results['command']}`", ""] if results.get("command") else []),
+        "| method | valid calls | s/call | tokens/call | forced | prefills/member | fwd/call | "
+        "matcher share | s/token free | s/token JSON | JSON / free | JSON valid |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, r in results["methods"].items():
         fwd = ", ".join(f"{v:.1f}" for v in r["forward_passes_per_call"].values())
         ratio = "" if r["json_over_free"] is None else f"{r['json_over_free']:.2f}"
-        lines.append(f"| {key} | {r['valid']}/{r['calls']} | {r['seconds_per_call']:.2f} | {r['tokens_per_call']:.1f} | "
-                     f"{r['forced_fraction']:.0%} | {r['max_prefills_per_member']} | {fwd} | "
-                     f"{r['matcher_share_of_call_time']:.1%} | {r['free_time_per_token_s']:.4f} | "
-                     f"{r['json_time_per_token_s']:.4f} | {ratio} | {r['json_valid']}/{results['cost_prompts']} |")
-    lines += ["", "valid calls: the call's arguments validate against the schema (`jsonschema`). forced: share of "
-              "output tokens the grammar forced (written without sampling). prefills/member: the most prompt "
-              "prefills any member ran for one call. fwd/call: forward passes per call, one figure per member. "
-              "matcher share: time inside the llguidance matchers over the request's time. s/token JSON / free: "
-              "time per output token with the schema as `response_format` and without it, same prompts."]
+        lines.append(
+            f"| {key} | {r['valid']}/{r['calls']} | {r['seconds_per_call']:.2f} | {r['tokens_per_call']:.1f} | "
+            f"{r['forced_fraction']:.0%} | {r['max_prefills_per_member']} | {fwd} | "
+            f"{r['matcher_share_of_call_time']:.1%} | {r['free_time_per_token_s']:.4f} | "
+            f"{r['json_time_per_token_s']:.4f} | {ratio} | {r['json_valid']}/{results['cost_prompts']} |"
+        )
+    lines += [
+        "",
+        "valid calls: the call's arguments validate against the schema (`jsonschema`). forced: share of "
+        "output tokens the grammar forced (written without sampling). prefills/member: the most prompt "
+        "prefills any member ran for one call. fwd/call: forward passes per call, one figure per member. "
+        "matcher share: time inside the llguidance matchers over the request's time. s/token JSON / free: "
+        "time per output token with the schema as `response_format` and without it, same prompts.",
+    ]
     lines += _failure_lines(results["methods"])
     if results.get("tight"):
         lines += [""] + _tight_markdown(results)
@@ -205,19 +266,28 @@ def markdown(results: dict) -> str:
 
 
 def _tight_markdown(results: dict) -> list[str]:
-    lines = [f"## Tight budget: {results['tight_schemas']} schemas as `response_format` at {results['tight_tokens']} "
-             f"tokens (whole run {results['wall_time_s'] / 60:.1f} min)", "",
-             "| method | valid / total | shortest fits | valid of fitting | closed early | finish reasons | "
-             "tokens/call | s/call |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Tight budget: {results['tight_schemas']} schemas as `response_format` at {results['tight_tokens']} "
+        f"tokens (whole run {results['wall_time_s'] / 60:.1f} min)",
+        "",
+        "| method | valid / total | shortest fits | valid of fitting | closed early | finish reasons | "
+        "tokens/call | s/call |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, r in results["tight"].items():
         finish = ", ".join(f"{k} {v}" for k, v in r["finish"].items())
-        lines.append(f"| {key} | {r['valid']}/{r['total']} | {r['fitting']}/{r['total']} | "
-                     f"{r['valid_of_fitting']}/{r['fitting']} | {r['closed_early']} | {finish} | "
-                     f"{r['tokens_per_call']:.1f} | {r['seconds_per_call']:.2f} |")
-    lines += ["", "valid: the reply parses and validates against the schema (`jsonschema`). shortest fits: the "
-              "schema's shortest document fits the budget in the main member's tokens (else the reply cannot "
-              "be complete). closed early: replies the budget-aware closing finished (finish_reason "
-              "\"length\", stats closed_early)."]
+        lines.append(
+            f"| {key} | {r['valid']}/{r['total']} | {r['fitting']}/{r['total']} | "
+            f"{r['valid_of_fitting']}/{r['fitting']} | {r['closed_early']} | {finish} | "
+            f"{r['tokens_per_call']:.1f} | {r['seconds_per_call']:.2f} |"
+        )
+    lines += [
+        "",
+        "valid: the reply parses and validates against the schema (`jsonschema`). shortest fits: the "
+        "schema's shortest document fits the budget in the main member's tokens (else the reply cannot "
+        "be complete). closed early: replies the budget-aware closing finished (finish_reason "
+        '"length", stats closed_early).',
+    ]
     return lines + _failure_lines(results["tight"])
 
 

@@ -129,12 +129,13 @@ class Calibrator:
             self._save(name)
         return memo[name]
 
-    def weights(self, members: Sequence[Member], keys: Sequence[str], kind: str,
-                chat_prompt: Callable[[int, str], str]) -> list[float]:
+    def weights(
+        self, members: Sequence[Member], keys: Sequence[str], kind: str, chat_prompt: Callable[[int, str], str]
+    ) -> list[float]:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        ll = np.array([self.loglik(m, k, kind, lambda q, i=i: chat_prompt(i, q))
-                       for i, (m, k) in enumerate(zip(members, keys))]).T  # [N, K]
+        ll = np.array(
+            [self.loglik(m, k, kind, lambda q, i=i: chat_prompt(i, q)) for i, (m, k) in enumerate(zip(members, keys))]
+        ).T  # [N, K]
         w = em_weights(ll)
         return [float(x) for x in w]
-

@@ -1,105 +1,17 @@
-"""Messages and tools -> each member's prompt; tool calls parsed back out of generated text.
-
-Tools travel in OpenAI function format ({"type": "function", "function": {"name", "description",
-"parameters"}}), which both LangChain (`convert_to_openai_tool`) and LlamaIndex
-(`tool.metadata.to_openai_tool()`) produce. A member whose chat template references `tools` gets
-them through the template; any other member (SmolLM2's ChatML, Gemma-3-270M's plain transcript)
-gets the JSON tool protocol below in its system message. Either way the model answers a call as
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-(the Hermes/Qwen convention most tool-tuned templates use). When a call is required
-(`tool_choice="required"`/"any" or a tool name) the reply is constrained to that grammar
-(`tool_call_constraint`, llguidance): the JSON syntax is forced and the values are masked to the
-schema, so even a 135M model returns a call that parses and validates.
+"""Messages -> each member's prompt: message content as text, the member's chat template or a
+plain "User:/Assistant:" transcript for a member without one, the preambles, and each member's
+view of a conversation with tools (a template that renders tools gets them; any other member
+gets the JSON tool protocol of tools.py in its system message, and earlier calls as text).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
-
-from .errors import ConfigError, RequestError
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-TOOL_CHOICES = ("auto", "none", "required")
-
+from .errors import ConfigError
+from .tools import call_text, tool_protocol
 
 # ---- tools and tool_choice -----------------------------------------------------------------
-def check_tools(tools: Any) -> list[dict] | None:
-    """Validate OpenAI-format tool specs; returns them as a list (None when there are none)."""
-    if tools is None:
-        return None
-    if not isinstance(tools, (list, tuple)):
-        raise RequestError(f"tools must be a list of OpenAI-format tool dicts, got {type(tools).__name__}")
-    out, names = [], set()
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise RequestError(
-                f"tool {i} must look like {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}, "
-                f"got {t!r}")
-        if fn["name"] in names:
-            raise RequestError(f"two tools are named {fn['name']!r}; tool names must be unique.")
-        params = fn.get("parameters")
-        if params is not None:
-            if not isinstance(params, dict):
-                raise RequestError(f"tool {fn['name']!r}: 'parameters' must be a JSON Schema object, got {params!r}")
-            try:  # the JSON Schema meta-schema of the schema's own draft (2020-12 when it names none)
-                jsonschema.validators.validator_for(params).check_schema(params)
-            except jsonschema.SchemaError as exc:
-                where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-                raise RequestError(f"tool {fn['name']!r}: 'parameters' is not a valid JSON Schema at {where}: "
-                                   f"{exc.message}") from None
-        names.add(fn["name"])
-        out.append({"type": "function", "function": dict(fn)})
-    return out or None
-
-
-def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str:
-    """Normalise tool_choice to "auto", "none", "required" or a tool name."""
-    if tool_choice is None:
-        return "auto"
-    if tool_choice is True or tool_choice == "any":
-        tool_choice = "required"
-    if isinstance(tool_choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-        if not isinstance(name, str):
-            raise RequestError(f"tool_choice dict names no tool: {tool_choice!r}")
-        tool_choice = name
-    if not isinstance(tool_choice, str):
-        raise RequestError(f"tool_choice must be None, 'auto', 'none', 'any', 'required', a tool name or a dict, "
-                           f"got {tool_choice!r}")
-    names = [t["function"]["name"] for t in tools or []]
-    if tool_choice in TOOL_CHOICES:
-        if tool_choice == "required" and not names:
-            raise RequestError("tool_choice='required' needs at least one tool; pass tools=[...].")
-        return tool_choice
-    if tool_choice not in names:
-        raise RequestError(f"tool_choice names {tool_choice!r}, which is not among the tools {names}.")
-    return tool_choice
-
-
-def tool_protocol(tools: list[dict], tool_choice: str) -> str:
-    """System-prompt text that teaches a model without a tools-aware template to call tools."""
-    specs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    if tool_choice == "required":
-        rule = "You must call one of these tools."
-    elif tool_choice not in ("auto", "none"):
-        rule = f"You must call the tool {tool_choice}."
-    else:
-        rule = "When a tool helps, call it; otherwise answer normally."
-    return (f"You can call these tools (JSON schemas):\n{specs}\n{rule} To call a tool, reply with exactly\n"
-            f'{TOOL_OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n{TOOL_CLOSE}\n'
-            "Tool results come back in messages from the tool.")
 
 
 # ---- messages -> prompt --------------------------------------------------------------------
@@ -120,13 +32,32 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
-def call_text(name: str, arguments: Any) -> str:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass
-    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CLOSE}"
+# Plain transcript for models without a chat template. Each turn's text starts on its own line,
+# so an answer begins without a leading space, as it does after a ChatML "assistant\n" header:
+# members with and without templates then see the same answer text.
+PLAIN_ROLES = {"system": "", "user": "User:\n", "assistant": "Assistant:\n", "tool": "Tool result:\n"}
+PLAIN_STOPS = ("\nUser:", "\nAssistant:")  # a new turn of the transcript ends the reply
+
+
+def render_chat(
+    member, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+) -> str:
+    """The prompt text for `messages` ({'role', 'content', ...} dicts) with the member's chat
+    template, or a plain 'User:/Assistant:' transcript for a member without one."""
+    if member.has_chat_template:
+        return member.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    lines = []
+    for m in messages:
+        lines.append(PLAIN_ROLES.get(m["role"], f"{m['role'].capitalize()}:\n") + content_text(m.get("content")))
+    text = "\n".join(lines)
+    return text + ("\nAssistant:\n" if add_generation_prompt else "")
+
+
+def chat_stops(member) -> tuple[str, ...]:
+    """Stop strings implied by the member's chat format (a new turn of the plain transcript)."""
+    return () if member.has_chat_template else PLAIN_STOPS
 
 
 def template_features(member) -> tuple[bool, bool]:
@@ -142,8 +73,11 @@ def template_features(member) -> tuple[bool, bool]:
 # transcript by repeating or rephrasing the question. The example facts are generic (none is in
 # the bundled dev or chat sets).
 BASE_PREAMBLE: tuple[dict, ...] = (
-    {"role": "system", "content": "A conversation between a user and a helpful, knowledgeable assistant. "
-                                  "The assistant answers each question directly, correctly and briefly."},
+    {
+        "role": "system",
+        "content": "A conversation between a user and a helpful, knowledgeable assistant. "
+        "The assistant answers each question directly, correctly and briefly.",
+    },
     {"role": "user", "content": "What is the boiling point of water at sea level?"},
     {"role": "assistant", "content": "Water boils at 100 degrees Celsius (212 degrees Fahrenheit) at sea level."},
     {"role": "user", "content": "Who painted the Mona Lisa?"},
@@ -157,14 +91,22 @@ def check_preamble(preamble: Any, owner: str) -> list[dict] | None:
     if preamble is None:
         return None
     if not isinstance(preamble, (list, tuple)):
-        raise ConfigError(f"{owner}: preamble must be a list of messages ({{'role', 'content'}} dicts) or None, "
-                          f"got {type(preamble).__name__}")
+        raise ConfigError(
+            f"{owner}: preamble must be a list of messages ({{'role', 'content'}} dicts) or None, "
+            f"got {type(preamble).__name__}"
+        )
     out = []
     for i, m in enumerate(preamble):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str) or not m["content"].strip():
-            raise ConfigError(f"{owner}: preamble message {i} must be {{'role': 'system'|'user'|'assistant', "
-                              f"'content': non-empty str}}, got {m!r}")
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ("system", "user", "assistant")
+            or not isinstance(m.get("content"), str)
+            or not m["content"].strip()
+        ):
+            raise ConfigError(
+                f"{owner}: preamble message {i} must be {{'role': 'system'|'user'|'assistant', "
+                f"'content': non-empty str}}, got {m!r}"
+            )
         if m["role"] == "system" and i:
             raise ConfigError(f"{owner}: a preamble's system message must come first (message {i} is one)")
         out.append({"role": m["role"], "content": m["content"]})
@@ -186,8 +128,9 @@ def with_preamble(preamble: list[dict], messages: list[dict]) -> list[dict]:
     return pre + msgs
 
 
-def member_messages(member, messages: list[dict], tools: list[dict] | None,
-                    tool_choice: str) -> tuple[list[dict], list[dict] | None]:
+def member_messages(
+    member, messages: list[dict], tools: list[dict] | None, tool_choice: str
+) -> tuple[list[dict], list[dict] | None]:
     """The messages (and template tools) to render for one member.
 
     Content becomes plain text; assistant tool calls become `<tool_call>` text unless the template
@@ -226,191 +169,7 @@ def member_messages(member, messages: list[dict], tools: list[dict] | None,
     return out, use_tools
 
 
-def history_calls(messages: Any) -> set[str]:
-    """Keys of the tool calls already made in a message history (see `call_key`)."""
-    keys = set()
-    for m in messages if isinstance(messages, (list, tuple)) else []:
-        for c in m.get("tool_calls") or []:
-            fn = c.get("function") or {}
-            args = fn.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    continue
-            keys.add(call_key(fn.get("name"), args))
-    return keys
-
-
-def call_key(name: Any, arguments: Any) -> str:
-    return json.dumps([name, arguments], sort_keys=True, ensure_ascii=False)
-
-
 # ---- tool calls out of text ----------------------------------------------------------------
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "name": self.name, "arguments": self.arguments}
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _call_from(obj: Any, names: set[str]) -> ToolCall | None:
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict):  # {"type": "function", "function": {...}}
-        obj = obj["function"]
-    name = obj.get("name")
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
-    if name not in names or not isinstance(args, dict):
-        return None
-    return ToolCall(name, args)
-
-
-def parse_tool_calls(text: str, tools: list[dict] | None) -> tuple[str, list[ToolCall]]:
-    """Split generated text into (content, tool calls).
-
-    Accepts `<tool_call>{json}</tool_call>` blocks (closing tag optional at the end) and, when
-    there are none, a reply that is one bare JSON call object (optionally in a ```json fence).
-    Calls must name a known tool and carry a JSON object of arguments; anything else stays content
-    (returned unstripped: strip it for display).
-    """
-    names = {t["function"]["name"] for t in tools or []}
-    if not names:
-        return text, []
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for m in re.finditer(re.escape(TOOL_OPEN), text):
-        if m.start() < pos:
-            continue
-        start = m.end()
-        body = text[start:].lstrip()
-        try:
-            obj, used = _DECODER.raw_decode(body)
-        except ValueError:
-            continue
-        call = _call_from(obj, names)
-        if call is None:
-            continue
-        end = start + (len(text[start:]) - len(body)) + used
-        rest = text[end:]
-        close = re.match(r"\s*" + re.escape(TOOL_CLOSE), rest)
-        end += close.end() if close else 0
-        kept.append(text[pos:m.start()])
-        calls.append(call)
-        pos = end
-    if calls:
-        kept.append(text[pos:])
-        return "".join(kept), calls
-    bare = re.sub(r"^```(?:json)?\s*|\s*```$", "", text.strip())
-    if bare.startswith("{"):
-        try:
-            obj, used = _DECODER.raw_decode(bare)
-        except ValueError:
-            return text, []
-        call = _call_from(obj, names)
-        if call is not None and not bare[used:].strip():
-            return "", [call]
-    return text, []
-
-
-class ToolTextFilter:
-    """Streams content while holding back anything that may be tool-call markup.
-
-    `feed(delta)` returns the text that is surely content; text from a possible `<tool_call>` (or a
-    leading `{` / ``` that may open a bare JSON call) is held until the end, when `finish()` parses
-    everything.
-    """
-
-    def __init__(self, tools: list[dict] | None) -> None:
-        self.tools = tools
-        self.text = ""
-        self.sent = 0
-        self.held = False
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        if not self.tools:
-            return self._release(len(self.text))
-        if self.held:
-            return ""
-        stripped = self.text.lstrip()
-        if not stripped:
-            return ""
-        if self.sent == 0 and stripped[0] in "{`":
-            self.held = True
-            return ""
-        i = self.text.find(TOOL_OPEN, self.sent)
-        if i >= 0:
-            self.held = True
-            return self._release(i)
-        keep = 0  # a tail that could be the start of TOOL_OPEN stays back
-        for k in range(min(len(TOOL_OPEN) - 1, len(self.text) - self.sent), 0, -1):
-            if TOOL_OPEN.startswith(self.text[-k:]):
-                keep = k
-                break
-        return self._release(len(self.text) - keep)
-
-    def _release(self, upto: int) -> str:
-        out = self.text[self.sent:upto]
-        self.sent = max(self.sent, upto)
-        return out
-
-    def finish(self) -> tuple[str, str, list[ToolCall]]:
-        """(content not yet released, the whole content, tool calls)."""
-        content, calls = parse_tool_calls(self.text, self.tools)
-        if not calls:
-            return self._release(len(self.text)), self.text, []
-        released = self.text[:self.sent]
-        tail = content[len(released):] if content.startswith(released) else ""
-        self.sent = len(self.text)
-        return tail.rstrip(), content.strip(), calls
 
 
 # ---- forced tool calls -----------------------------------------------------------------------
-def tool_call_constraint(tools: list[dict], tool_choice: str):
-    """The grammar of one call to the allowed tools (all for "required", else the named one):
-
-        {"name": "<tool>", "arguments": <JSON valid under the tool's parameters>}
-
-    (a bare call object, without the <tool_call> tags a free reply uses),
-
-    llguidance writes the fixed parts without sampling and masks every token that would leave
-    the schema, so the call parses and validates whatever the members would have written."""
-    from .constraints import Constraint, styled
-
-    allowed = [t["function"] for t in tools if tool_choice == "required" or t["function"]["name"] == tool_choice]
-    heads, bodies = [], []
-    for fn in allowed:
-        params = fn.get("parameters")
-        if not params or (isinstance(params, dict) and params.get("type") == "object" and not params.get("properties")
-                          and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf",
-                                                            "additionalProperties", "patternProperties"))):
-            params = {"type": "object", "properties": {}, "additionalProperties": False}  # no arguments: {}
-        elif "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
-            params = {**params, "type": "object"}  # a tool's arguments are always an object
-        try:  # the arguments' schema alone: meta-schema, $ref cycles, what llguidance refuses
-            Constraint.json_schema(params).check()
-        except RequestError as exc:
-            raise RequestError(f"tool {fn['name']!r}: {exc}") from None
-        schema = styled(params)
-        heads.append(json.dumps({"name": fn["name"]})[:-1] + ', "arguments": ')
-        bodies.append(f"%json {json.dumps(schema)} \"}}\"")
-    # no tags: a forced call is known to be a call (`parse_tool_calls` reads a bare call object),
-    # and the ~6-10 tokens the tags cost go to the arguments (budget-aware closing counts them)
-    if len(heads) == 1:  # one allowed tool: its name is no choice, so the head ends the prompt (Constraint.head)
-        return dataclasses.replace(Constraint.lark(f"start: {bodies[0]}"), whole=True, head=heads[0])
-    rules = [f"call_{i}: {json.dumps(h)} {b}" for i, (h, b) in enumerate(zip(heads, bodies))]
-    grammar = "start: " + " | ".join(f"call_{i}" for i in range(len(rules))) + "\n" + "\n".join(rules)
-    return dataclasses.replace(Constraint.lark(grammar), whole=True)

@@ -38,19 +38,35 @@ def _cmd_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.stats:
-        print(json.dumps({"usage": result.usage.to_dict(), "finish_reason": result.finish_reason,
-                          "stats": result.stats}, indent=2), file=sys.stderr)
+        print(
+            json.dumps(
+                {"usage": result.usage.to_dict(), "finish_reason": result.finish_reason, "stats": result.stats},
+                indent=2,
+            ),
+            file=sys.stderr,
+        )
     return 0
 
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--placement", choices=("local", "ray"), default="local",
-                   help="members in this process (local) or each in a Ray actor (ray)")
-    p.add_argument("--ray-address", default=None,
-                   help="with --placement ray: the cluster ('auto', 'ray://HEAD:10001'); default: a local one")
-    p.add_argument("--member-resources", default=None, metavar="JSON",
-                   help='with --placement ray: Ray resources per member, one object for all or a list, e.g. '
-                        '\'[{"num_gpus": 1}, {"num_gpus": 1}]\'')
+    p.add_argument(
+        "--placement",
+        choices=("local", "ray"),
+        default="local",
+        help="members in this process (local) or each in a Ray actor (ray)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --placement ray: the cluster ('auto', 'ray://HEAD:10001'); default: a local one",
+    )
+    p.add_argument(
+        "--member-resources",
+        default=None,
+        metavar="JSON",
+        help="with --placement ray: Ray resources per member, one object for all or a list, e.g. "
+        '\'[{"num_gpus": 1}, {"num_gpus": 1}]\'',
+    )
 
 
 def _placement(args) -> dict:
@@ -104,14 +120,22 @@ def _cmd_bench(args) -> int:
 
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     if importlib.util.find_spec("matplotlib") is None:
-        print("error: the bench needs the bench extra: pip install \"ensemble-llm[bench]\"", file=sys.stderr)
+        print('error: the bench needs the bench extra: pip install "ensemble-llm[bench]"', file=sys.stderr)
         return 2
 
     def run(specs):
         tasks = [] if args.no_tasks else resolve_tasks(args.tasks or DEFAULT_TASKS, args.examples)
-        return run_bench(models, specs, tasks, speed_prompts=args.speed_prompts, max_new_tokens=args.max_new_tokens,
-                         third_member=args.third_member, device=args.device, progress=not args.quiet,
-                         preambles=not args.no_preamble)
+        return run_bench(
+            models,
+            specs,
+            tasks,
+            speed_prompts=args.speed_prompts,
+            max_new_tokens=args.max_new_tokens,
+            third_member=args.third_member,
+            device=args.device,
+            progress=not args.quiet,
+            preambles=not args.no_preamble,
+        )
 
     return _run_and_write(args, models, run, write)
 
@@ -133,8 +157,10 @@ def _run_and_write(args, models, run, write) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(Path(args.out, "results.md").read_text())
-    print(f"[ensemble-llm] wrote {', '.join(map(str, paths))} in {(time.perf_counter() - t0) / 60:.1f} min",
-          file=sys.stderr)
+    print(
+        f"[ensemble-llm] wrote {', '.join(map(str, paths))} in {(time.perf_counter() - t0) / 60:.1f} min",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -143,27 +169,49 @@ def _cmd_bench_constraints(args) -> int:
     from .bench_constraints import run_constraint_bench, write
 
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
-    return _run_and_write(args, models, lambda specs: run_constraint_bench(
-        models, specs, n_schemas=args.schemas, max_new_tokens=args.max_new_tokens, cost_prompts=args.cost_prompts,
-        cost_tokens=args.cost_tokens, device=args.device, progress=not args.quiet, sections=args.sections,
-        tight_tokens=args.tight_tokens, n_tight=args.tight_schemas), write)
+    return _run_and_write(
+        args,
+        models,
+        lambda specs: run_constraint_bench(
+            models,
+            specs,
+            n_schemas=args.schemas,
+            max_new_tokens=args.max_new_tokens,
+            cost_prompts=args.cost_prompts,
+            cost_tokens=args.cost_tokens,
+            device=args.device,
+            progress=not args.quiet,
+            sections=args.sections,
+            tight_tokens=args.tight_tokens,
+            n_tight=args.tight_schemas,
+        ),
+        write,
+    )
 
 
 def _cmd_serve(args) -> int:
-    from . import EnsembleError
-
     import importlib.util
 
+    from . import EnsembleError
+
     if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "prometheus_client")):
-        print("error: serving needs the serve extra: pip install \"ensemble-llm[serve]\"", file=sys.stderr)
+        print('error: serving needs the serve extra: pip install "ensemble-llm[serve]"', file=sys.stderr)
         return 2
     from .serve import serve
 
     models = args.models.split(",") if args.models else None
     try:
         print(f"[ensemble-llm] loading; then serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        serve(models, args.method, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-              device=args.device, **_placement(args))
+        serve(
+            models,
+            args.method,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            device=args.device,
+            **_placement(args),
+        )
     except EnsembleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -196,51 +244,78 @@ def build_parser() -> argparse.ArgumentParser:
     mp = msub.add_parser("pull", help="fetch and convert bundled models (default: the default pair)")
     mp.add_argument("names", nargs="*")
     mp.set_defaults(func=_cmd_models_pull)
-    b = sub.add_parser("bench", help="speed, cost and quality of every method side by side, with plots",
-                       description="Runs every method on the same prompts, interleaved, and writes results.json, "
-                                   "results.md and PNG plots. Methods: names with optional config, e.g. "
-                                   "'single' (one per member), 'safe', 'smc:f=min,n_particles=4'.")
+    b = sub.add_parser(
+        "bench",
+        help="speed, cost and quality of every method side by side, with plots",
+        description="Runs every method on the same prompts, interleaved, and writes results.json, "
+        "results.md and PNG plots. Methods: names with optional config, e.g. "
+        "'single' (one per member), 'safe', 'smc:f=min,n_particles=4'.",
+    )
     b.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
-    b.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                   help=f"default: {' '.join(DEFAULT_METHODS)}")
-    b.add_argument("--tasks", nargs="+", default=None,
-                   help="bundled task names or files in the BIG-bench jsonl format, each optionally NAME:N; "
-                        "'suite[:N]' is the seven-task dev suite (" + " ".join(SUITE) + ") "
-                        f"(default: {' '.join(DEFAULT_TASKS)}, bundled BIG-bench dev samples)")
+    b.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"default: {' '.join(DEFAULT_METHODS)}")
+    b.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        help="bundled task names or files in the BIG-bench jsonl format, each optionally NAME:N; "
+        "'suite[:N]' is the seven-task dev suite (" + " ".join(SUITE) + ") "
+        f"(default: {' '.join(DEFAULT_TASKS)}, bundled BIG-bench dev samples)",
+    )
     b.add_argument("--no-tasks", action="store_true", help="speed figures only")
     b.add_argument("--examples", type=int, default=20, help="scored examples of a task given without :N")
     b.add_argument("--speed-prompts", type=int, default=3, help="chat prompts for the speed figures (max 20)")
     b.add_argument("--max-new-tokens", type=int, default=40, help="budget of each speed prompt")
-    b.add_argument("--third-member", default=None,
-                   help="also run every ensemble method with this third member, e.g. qwen2.5-coder-1.5b-instruct")
-    b.add_argument("--no-preamble", action="store_true",
-                   help="give no member a preamble (measures what the base-model preamble does)")
+    b.add_argument(
+        "--third-member",
+        default=None,
+        help="also run every ensemble method with this third member, e.g. qwen2.5-coder-1.5b-instruct",
+    )
+    b.add_argument(
+        "--no-preamble",
+        action="store_true",
+        help="give no member a preamble (measures what the base-model preamble does)",
+    )
     b.add_argument("--device", default="auto")
     b.add_argument("--out", default="bench-results")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_bench)
-    c = sub.add_parser("bench-constraints", help="grammar-constrained decoding per method: valid calls and cost",
-                       description="Every method writes a forced tool call for each bundled JSON Schema (validated "
-                                   "with jsonschema), and answers prompts freely and with the schema as "
-                                   "response_format (the constraint's cost per token).")
+    c = sub.add_parser(
+        "bench-constraints",
+        help="grammar-constrained decoding per method: valid calls and cost",
+        description="Every method writes a forced tool call for each bundled JSON Schema (validated "
+        "with jsonschema), and answers prompts freely and with the schema as "
+        "response_format (the constraint's cost per token).",
+    )
     c.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
     c.add_argument("--methods", nargs="+", default=["single", "unite", "safe", "specfuse", "smc:n_particles=2"])
     c.add_argument("--schemas", type=int, default=None, help="the first N schemas of the corpus (default: all 32)")
     c.add_argument("--cost-prompts", type=int, default=6, help="schemas also run free vs response_format")
     c.add_argument("--cost-tokens", type=int, default=48, help="budget of each free / response_format answer")
     c.add_argument("--max-new-tokens", type=int, default=160)
-    c.add_argument("--sections", nargs="+", default=["calls", "cost", "tight"], choices=["calls", "cost", "tight"],
-                   help="forced calls, constraint cost, tight-budget response_format (default: all three)")
+    c.add_argument(
+        "--sections",
+        nargs="+",
+        default=["calls", "cost", "tight"],
+        choices=["calls", "cost", "tight"],
+        help="forced calls, constraint cost, tight-budget response_format (default: all three)",
+    )
     c.add_argument("--tight-tokens", type=int, default=64, help="budget of each tight-budget reply")
-    c.add_argument("--tight-schemas", type=int, default=None,
-                   help="the first N schemas of the tight-budget corpus (default: all 11)")
+    c.add_argument(
+        "--tight-schemas",
+        type=int,
+        default=None,
+        help="the first N schemas of the tight-budget corpus (default: all 11)",
+    )
     c.add_argument("--device", default="auto")
     c.add_argument("--out", default="bench-constraints")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_bench_constraints)
-    sv = sub.add_parser("serve", help="serve the ensemble over an OpenAI-compatible HTTP API",
-                        description="POST /v1/chat/completions and /v1/completions (streams as server-sent "
-                                    "events), GET /v1/models, /health and /metrics. Binds to 127.0.0.1 unless told.")
+    sv = sub.add_parser(
+        "serve",
+        help="serve the ensemble over an OpenAI-compatible HTTP API",
+        description="POST /v1/chat/completions and /v1/completions (streams as server-sent "
+        "events), GET /v1/models, /health and /metrics. Binds to 127.0.0.1 unless told.",
+    )
     sv.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
     sv.add_argument("--method", default=None, help="default: safe for 2+ members, else single")
     sv.add_argument("--host", default="127.0.0.1")

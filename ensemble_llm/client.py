@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Iterator
 
-from .chat import ToolCall
-from .engine import GenerationResult, Usage
 from .errors import ConfigError, GenerationError, RequestError, RequestTimeout
 from .params import FIELDS, GenerationParams
+from .results import GenerationResult, ToolCall, Usage
 
 
 def _openai():
@@ -35,17 +34,27 @@ def _messages(prompt: Any) -> list[dict]:
         m = dict(m)
         if m.get("tool_calls"):
             m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": c["function"]["arguments"]
-                                   if isinstance(c["function"].get("arguments"), str)
-                                   else json.dumps(c["function"].get("arguments") or {}, ensure_ascii=False)}}
-                for c in m["tool_calls"]]
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": c["function"]["arguments"]
+                        if isinstance(c["function"].get("arguments"), str)
+                        else json.dumps(c["function"].get("arguments") or {}, ensure_ascii=False),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
         out.append(m)
     return out
 
 
 def _body(prompt: Any, params: GenerationParams) -> dict[str, Any]:
-    body: dict[str, Any] = {"max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                            "top_p": params.top_p}
+    body: dict[str, Any] = {
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
     if params.seed is not None:
         body["seed"] = params.seed
     if params.stop:
@@ -59,18 +68,25 @@ def _body(prompt: Any, params: GenerationParams) -> dict[str, Any]:
         body["messages"] = _messages(prompt)
         if params.tools:
             body["tools"] = list(params.tools)
-            body["tool_choice"] = params.tool_choice if params.tool_choice in ("auto", "none", "required") else \
-                {"type": "function", "function": {"name": params.tool_choice}}
+            body["tool_choice"] = (
+                params.tool_choice
+                if params.tool_choice in ("auto", "none", "required")
+                else {"type": "function", "function": {"name": params.tool_choice}}
+            )
         rf = params.response_format
         if rf is not None:
             if rf.kind == "json_schema":
-                body["response_format"] = {"type": "json_schema",
-                                           "json_schema": {"name": "response", "schema": json.loads(rf.source)}}
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "response", "schema": json.loads(rf.source)},
+                }
             elif rf.kind == "json_object":
                 body["response_format"] = {"type": "json_object"}
             else:
-                raise RequestError(f"a {rf.kind} constraint cannot travel over the OpenAI API; use a JSON Schema "
-                                   "or run the ensemble in process")
+                raise RequestError(
+                    f"a {rf.kind} constraint cannot travel over the OpenAI API; use a JSON Schema "
+                    "or run the ensemble in process"
+                )
     if extra:
         body["extra_body"] = extra
     return body
@@ -92,7 +108,9 @@ def _error(exc: Exception) -> Exception:
     return GenerationError(f"the server could not be reached: {exc}")
 
 
-def _result(message_text: str | None, tool_calls: list, finish: str, usage: Any, extra: dict | None) -> GenerationResult:
+def _result(
+    message_text: str | None, tool_calls: list, finish: str, usage: Any, extra: dict | None
+) -> GenerationResult:
     calls = []
     for c in tool_calls or []:
         fn = c["function"] if isinstance(c, dict) else c.function
@@ -102,8 +120,16 @@ def _result(message_text: str | None, tool_calls: list, finish: str, usage: Any,
     extra = extra or {}
     u = Usage(usage.prompt_tokens, usage.completion_tokens) if usage is not None else Usage(0, 0)
     text = message_text or ""
-    return GenerationResult(text, finish or "stop", u, dict(extra.get("stats") or {}), extra.get("method", ""),
-                            list(extra.get("members") or []), calls, text)
+    return GenerationResult(
+        text,
+        finish or "stop",
+        u,
+        dict(extra.get("stats") or {}),
+        extra.get("method", ""),
+        list(extra.get("members") or []),
+        calls,
+        text,
+    )
 
 
 class _Stream:
@@ -138,8 +164,9 @@ class _Stream:
         return delta_text
 
     def _finish(self, state: dict) -> None:
-        self.result = _result(state["text"], list(state["calls"].values()), state["finish"], state["usage"],
-                              state["extra"])
+        self.result = _result(
+            state["text"], list(state["calls"].values()), state["finish"], state["usage"], state["extra"]
+        )
 
     def __iter__(self) -> Iterator[str]:
         state = {"text": "", "calls": {}, "finish": None, "usage": None, "extra": None}
@@ -167,8 +194,9 @@ class _Stream:
 class RemoteEnsemble:
     """An `Ensemble` served elsewhere (see the module doc)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, max_retries: int = 2,
-                 timeout: float | None = None) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, *, max_retries: int = 2, timeout: float | None = None
+    ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8000/v1', got {base_url!r}")
         self.base_url, self.api_key = base_url.rstrip("/"), api_key

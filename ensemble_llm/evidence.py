@@ -32,7 +32,9 @@ A prompt that shows no answer keeps the prior weights.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
+
+from .chat import content_text
 
 MAX_LABEL = 40  # a label is a short line prefix ("A:", "Answer:", "Past participle:")
 MAX_POSITIONS = 96  # scored positions per member and request (the last answers are kept)
@@ -50,7 +52,7 @@ def answer_spans(text: str) -> list[tuple[int, int]]:
     lab = label.encode("utf-8")
     for line in data.split(b"\n")[:-1]:
         end = pos + len(line) + 1  # the newline ends the answer: a member that knows when to stop
-        if line.startswith(lab) and line[len(lab):].strip():
+        if line.startswith(lab) and line[len(lab) :].strip():
             spans.append((pos + len(lab), end))
         pos = end
     return spans
@@ -102,3 +104,43 @@ def posterior(prior: Sequence[float], evidence: Sequence[float], temperature: fl
     w = [max(x / total, FLOOR) for x in w]
     total = sum(w)
     return [x / total for x in w]
+
+
+def request_weights(
+    method,
+    members: Sequence[Any],
+    prompt: str | list[dict],
+    raw: bool,
+    texts: list[str],
+    prompt_ids: list[list[int]],
+    prior: list[float],
+    main: int,
+    notes: dict[str, Any],
+) -> tuple[list[float], int]:
+    """With weights="auto", this request's member weights and main member: the prior updated by
+    how well each member explains the answers the prompt already shows (scored in the prompt's
+    own prefill, `TokenLM.score_prompt`). Other weight settings, one member, a prompt that shows
+    no answer: the given weights and main member, unchanged. The evidence goes into `notes`."""
+    given = method.member_weights()
+    if not (isinstance(given, str) and given == "auto") or len(members) < 2 or method.name == "single":
+        return prior, main
+    answers = (
+        []
+        if raw or isinstance(prompt, str)
+        else [content_text(m.get("content")) for m in prompt if m.get("role") == "assistant"]
+    )
+    plans = []
+    for m, text, ids in zip(members, texts, prompt_ids):
+        spans = answer_spans(text) if raw else chat_spans(text, answers)
+        positions = answer_positions(m, text, ids, spans)
+        if not positions:
+            return prior, main
+        plans.append((positions, len(spans)))
+    # each shown answer is one observation of a member's competence: the mean log-prob per answer
+    evidence = [float(sum(m.score_prompt(ids, pos))) / n for m, ids, (pos, n) in zip(members, prompt_ids, plans)]
+    weights = posterior(prior, evidence)
+    given_main = method.main_member()
+    main = given_main if given_main is not None else max(range(len(members)), key=lambda i: (weights[i], -i))
+    notes["evidence"] = {m.name: round(e, 3) for m, e in zip(members, evidence)}
+    notes["evidence_positions"] = {m.name: len(p) for m, (p, _) in zip(members, plans)}
+    return weights, main

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from .chat import check_tool_choice, check_tools, tool_call_constraint
 from .constraints import Constraint
 from .errors import RequestError
 from .stopping import stop_list
+from .tools import check_tool_choice, check_tools, tool_call_constraint
 
 
 def _check_text(text: str, what: str) -> None:
@@ -22,8 +22,10 @@ def _check_text(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise RequestError(f"{what} holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not "
-                           "valid Unicode; decode your bytes with errors='replace' or remove it.") from None
+        raise RequestError(
+            f"{what} holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which is not "
+            "valid Unicode; decode your bytes with errors='replace' or remove it."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,10 @@ class GenerationParams:
             raise RequestError("tools need a chat prompt (a string or messages) with raw=False.")
         rf = Constraint.from_response_format(self.response_format)
         if rf is not None and tools and self.tool_choice not in ("auto", "none"):
-            raise RequestError(f"response_format and a forced tool call (tool_choice={self.tool_choice!r}) both "
-                               "constrain the reply; give one of them.")
+            raise RequestError(
+                f"response_format and a forced tool call (tool_choice={self.tool_choice!r}) both "
+                "constrain the reply; give one of them."
+            )
         if rf is not None:
             rf.check()
         set_(self, "response_format", rf)

@@ -13,28 +13,57 @@ carries the ensemble's figures in an extra `ensemble` field.
 Needs the `serve` extra: pip install "ensemble-llm[serve]".
 """
 
-
 import asyncio
 import json
+import secrets
 import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from .engine import Ensemble, GenerationResult
+from .engine import Ensemble
 from .errors import EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
 from .params import GenerationParams
+from .results import GenerationResult
 
 # OpenAI body fields we read; any other field is refused by name (400), except these that
 # clients send routinely and that change nothing here
-KNOWN = {"model", "messages", "prompt", "tools", "tool_choice", "response_format", "stop", "max_tokens",
-         "max_completion_tokens", "temperature", "top_p", "seed", "stream", "stream_options", "n", "timeout",
-         "user", "parallel_tool_calls", "frequency_penalty", "presence_penalty", "logprobs", "metadata", "store"}
+KNOWN = {
+    "model",
+    "messages",
+    "prompt",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "stop",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "timeout",
+    "user",
+    "parallel_tool_calls",
+    "frequency_penalty",
+    "presence_penalty",
+    "logprobs",
+    "metadata",
+    "store",
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -44,8 +73,19 @@ class ApiError(Exception):
 
 def _param_of(message: str) -> str | None:
     """The request field a RequestError names (its message starts with or quotes it)."""
-    for name in ("max_new_tokens", "temperature", "top_p", "seed", "stop", "timeout", "tool_choice", "tools",
-                 "response_format", "messages", "prompt"):
+    for name in (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "timeout",
+        "tool_choice",
+        "tools",
+        "response_format",
+        "messages",
+        "prompt",
+    ):
         if name in message:
             return {"max_new_tokens": "max_tokens"}.get(name, name)
     if "message " in message or "content" in message:
@@ -78,9 +118,12 @@ def _messages(raw: Any) -> list[dict]:
         if m.get("role") == "developer":
             m["role"] = "system"
         if m.get("role") == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
-            raise ApiError(400, f"messages[{i}] (tool) has no tool_call_id (got {m.get('tool_call_id')!r}); a tool "
-                                "result must name the call it answers: give it the 'tool_call_id' of that call.",
-                           param="messages")
+            raise ApiError(
+                400,
+                f"messages[{i}] (tool) has no tool_call_id (got {m.get('tool_call_id')!r}); a tool "
+                "result must name the call it answers: give it the 'tool_call_id' of that call.",
+                param="messages",
+            )
         calls = m.get("tool_calls")
         if isinstance(calls, list):
             fixed = []
@@ -91,8 +134,11 @@ def _messages(raw: Any) -> list[dict]:
                         try:
                             fn["arguments"] = json.loads(fn["arguments"] or "{}")
                         except ValueError:
-                            raise ApiError(400, f"messages[{i}].tool_calls: arguments are not JSON: "
-                                                f"{fn['arguments']!r}", param="messages") from None
+                            raise ApiError(
+                                400,
+                                f"messages[{i}].tool_calls: arguments are not JSON: {fn['arguments']!r}",
+                                param="messages",
+                            ) from None
                     c = {**c, "function": fn}
                 fixed.append(c)
             m["tool_calls"] = fixed
@@ -106,8 +152,9 @@ def _params(body: dict, *, raw: bool) -> GenerationParams:
         raise ApiError(400, f"unsupported field(s) {unknown}", param=unknown[0])
     n = body.get("n", 1)
     if n not in (1, None):
-        raise ApiError(400, f"n={n!r}: this server returns one choice per request; send n=1 (or several requests)",
-                       param="n")
+        raise ApiError(
+            400, f"n={n!r}: this server returns one choice per request; send n=1 (or several requests)", param="n"
+        )
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     settings: dict[str, Any] = {"raw": raw}
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"), ("timeout", "timeout")):
@@ -142,18 +189,25 @@ class Server:
         self.in_flight = 0
         self.lock = threading.Lock()
         self.registry = CollectorRegistry()
-        self.requests = Counter("ensemble_requests", "Requests by endpoint and status", ["endpoint", "status"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "ensemble_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+        )
         self.tokens = Counter("ensemble_completion_tokens", "Completion tokens written", registry=self.registry)
         self.queue = Gauge("ensemble_queue_depth", "Requests waiting or running", registry=self.registry)
-        self.seconds = Histogram("ensemble_request_seconds", "Request time by method", ["method"],
-                                 registry=self.registry)
+        self.seconds = Histogram(
+            "ensemble_request_seconds", "Request time by method", ["method"], registry=self.registry
+        )
 
     def admit(self) -> None:
         with self.lock:
             if self.in_flight >= self.max_queue:
-                raise ApiError(429, f"the queue is full ({self.max_queue} requests); retry later",
-                               "rate_limit_exceeded", None, "queue_full")
+                raise ApiError(
+                    429,
+                    f"the queue is full ({self.max_queue} requests); retry later",
+                    "rate_limit_exceeded",
+                    None,
+                    "queue_full",
+                )
             self.in_flight += 1
             self.queue.set(self.in_flight)
 
@@ -168,9 +222,14 @@ class Server:
 
 
 def _tool_calls(result: GenerationResult) -> list[dict]:
-    return [{"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-            for c in result.tool_calls]
+    return [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in result.tool_calls
+    ]
 
 
 def _usage(result: GenerationResult) -> dict:
@@ -195,9 +254,15 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
     def check_key(request: Request) -> None:
         if srv.api_key is not None:
             auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {srv.api_key}":
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               "authentication_error", None, "invalid_api_key")
+            # constant-time comparison: the time a wrong key takes says nothing about the right one
+            if not secrets.compare_digest(auth.encode(), f"Bearer {srv.api_key}".encode()):
+                raise ApiError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                    None,
+                    "invalid_api_key",
+                )
 
     async def body_of(request: Request) -> dict:
         try:
@@ -215,8 +280,10 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
     @app.get("/v1/models")
     async def models(request: Request):
         check_key(request)
-        return {"object": "list", "data": [{"id": srv.model_id, "object": "model", "created": 0,
-                                            "owned_by": "ensemble-llm"}]}
+        return {
+            "object": "list",
+            "data": [{"id": srv.model_id, "object": "model", "created": 0, "owned_by": "ensemble-llm"}],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -260,8 +327,10 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
         created = int(time.time())
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(srv, engine, prompt, params, rid, created, chat, include_usage, endpoint),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(srv, engine, prompt, params, rid, created, chat, include_usage, endpoint),
+                media_type="text/event-stream",
+            )
         t0 = time.perf_counter()
         try:
             result = await run(request, prompt, params)
@@ -281,8 +350,15 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
         else:
             choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": srv.model_id, "choices": [choice],
-                "usage": _usage(result), "ensemble": srv.ensemble_field(result)}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": srv.model_id,
+            "choices": [choice],
+            "usage": _usage(result),
+            "ensemble": srv.ensemble_field(result),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -295,8 +371,17 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
     return app
 
 
-async def _sse(srv: Server, engine: Ensemble, prompt: Any, params: GenerationParams, rid: str, created: int,
-               chat: bool, include_usage: bool, endpoint: str) -> AsyncIterator[str]:
+async def _sse(
+    srv: Server,
+    engine: Ensemble,
+    prompt: Any,
+    params: GenerationParams,
+    rid: str,
+    created: int,
+    chat: bool,
+    include_usage: bool,
+    endpoint: str,
+) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format; the generator's cancellation (a client that
     went away) reaches the engine through the stream's cleanup."""
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -306,8 +391,14 @@ async def _sse(srv: Server, engine: Ensemble, prompt: Any, params: GenerationPar
             choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
         else:
             choices = [] if delta is None else [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]
-        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": srv.model_id,
-                                      "choices": choices, **extra}, ensure_ascii=False) + "\n\n"
+        return (
+            "data: "
+            + json.dumps(
+                {"id": rid, "object": obj, "created": created, "model": srv.model_id, "choices": choices, **extra},
+                ensure_ascii=False,
+            )
+            + "\n\n"
+        )
 
     t0 = time.perf_counter()
     stream = engine.astream(prompt, params)
@@ -337,13 +428,31 @@ async def _sse(srv: Server, engine: Ensemble, prompt: Any, params: GenerationPar
         srv.release()
 
 
-def serve(members: list | None, method: str | None, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_queue: int = 64, device: str = "auto", config: Any = None,
-          placement: str = "local", ray_address: str | None = None, member_resources: Any = None) -> None:
+def serve(
+    members: list | None,
+    method: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_queue: int = 64,
+    device: str = "auto",
+    config: Any = None,
+    placement: str = "local",
+    ray_address: str | None = None,
+    member_resources: Any = None,
+) -> None:
     """Load the ensemble (members in this process, or each in a Ray actor with placement="ray"),
     then serve it until interrupted."""
     import uvicorn
 
-    engine = Ensemble(members, method, config, device=device, placement=placement, ray_address=ray_address,
-                      member_resources=member_resources).load()
+    engine = Ensemble(
+        members,
+        method,
+        config,
+        device=device,
+        placement=placement,
+        ray_address=ray_address,
+        member_resources=member_resources,
+    ).load()
     uvicorn.run(create_app(engine, api_key=api_key, max_queue=max_queue), host=host, port=port, log_level="warning")

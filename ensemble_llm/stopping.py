@@ -44,7 +44,7 @@ class StopMatcher:
             return out
         hold = self._held_suffix()
         out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(self.pending) - hold:]
+        self.pending = self.pending[len(self.pending) - hold :]
         return out
 
     def flush(self) -> str:

@@ -19,7 +19,6 @@ from langchain.agents import create_agent  # noqa: E402
 from langchain.agents.middleware import wrap_model_call  # noqa: E402
 from langchain_core.messages import ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
-
 from langchain_ensemble_llm import EnsembleLLM  # noqa: E402
 
 
@@ -39,8 +38,12 @@ def tool_then_answer(request, handler):
 
 def main(max_tokens: int = 48) -> dict:
     llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_tokens=max_tokens)
-    agent = create_agent(llm, tools=[get_population], middleware=[tool_then_answer],
-                         system_prompt="You answer questions about cities. Use the tool.")
+    agent = create_agent(
+        llm,
+        tools=[get_population],
+        middleware=[tool_then_answer],
+        system_prompt="You answer questions about cities. Use the tool.",
+    )
     state = agent.invoke({"messages": [{"role": "user", "content": "What is the population of Paris?"}]})
     for m in state["messages"]:
         print(f"{m.type}: {m.content or m.tool_calls}")

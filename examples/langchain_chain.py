@@ -1,6 +1,6 @@
 """LCEL chain: prompt | EnsembleLLM | StrOutputParser, invoked and streamed.
 
-    python examples/langchain_chain.py
+python examples/langchain_chain.py
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
-
 from langchain_ensemble_llm import EnsembleLLM  # noqa: E402
 
 

@@ -16,7 +16,6 @@ from langchain_core.output_parsers import StrOutputParser  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnableParallel, RunnablePassthrough  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
-
 from langchain_ensemble_llm import EnsembleLLM  # noqa: E402
 
 DOCS = [
@@ -38,13 +37,17 @@ def embeddings():
 def main(question: str = "How tall is Mount Everest?", max_tokens: int = 40) -> dict:
     retriever = InMemoryVectorStore.from_documents(DOCS, embeddings()).as_retriever(search_kwargs={"k": 1})
     llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_tokens=max_tokens)
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", "Answer the question using only this context:\n{context}"),
-        ("human", "{question}"),
-    ])
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            ("system", "Answer the question using only this context:\n{context}"),
+            ("human", "{question}"),
+        ]
+    )
     answer_chain = (
         {"context": lambda x: "\n".join(d.page_content for d in x["docs"]), "question": lambda x: x["question"]}
-        | prompt | llm | StrOutputParser()
+        | prompt
+        | llm
+        | StrOutputParser()
     )
     chain = RunnableParallel(docs=retriever, question=RunnablePassthrough()).assign(answer=answer_chain)
     out = chain.invoke(question)

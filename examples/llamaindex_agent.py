@@ -16,7 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from llama_index.core.agent.workflow import FunctionAgent  # noqa: E402
 from llama_index.core.tools import FunctionTool  # noqa: E402
-
 from llama_index.llms.ensemble_llm import EnsembleLLM  # noqa: E402
 
 
@@ -28,9 +27,12 @@ def get_population(city: str) -> str:
 
 async def run(max_new_tokens: int = 48):
     llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_new_tokens=max_new_tokens)
-    agent = FunctionAgent(tools=[FunctionTool.from_defaults(fn=get_population)], llm=llm,
-                          system_prompt="You answer questions about cities. Use the tool.",
-                          initial_tool_choice="get_population")
+    agent = FunctionAgent(
+        tools=[FunctionTool.from_defaults(fn=get_population)],
+        llm=llm,
+        system_prompt="You answer questions about cities. Use the tool.",
+        initial_tool_choice="get_population",
+    )
     handler = agent.run("What is the population of Paris?")
     calls = []
     async for event in handler.stream_events():

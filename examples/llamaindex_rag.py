@@ -15,13 +15,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from llama_index.core import Document, Settings, VectorStoreIndex  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
-
 from llama_index.llms.ensemble_llm import EnsembleLLM  # noqa: E402
 
 DOCS = [
     Document(text="The Eiffel Tower is in Paris and was finished in 1889.", metadata={"source": "towers.txt"}),
-    Document(text="Mount Everest, 8,849 metres high, is the tallest mountain on Earth.", metadata={"source": "peaks.txt"}),
-    Document(text="The Danube flows through ten countries, more than any other river.", metadata={"source": "rivers.txt"}),
+    Document(
+        text="Mount Everest, 8,849 metres high, is the tallest mountain on Earth.", metadata={"source": "peaks.txt"}
+    ),
+    Document(
+        text="The Danube flows through ten countries, more than any other river.", metadata={"source": "rivers.txt"}
+    ),
     Document(text="Honey bees tell each other where flowers are with a waggle dance.", metadata={"source": "bees.txt"}),
 ]
 
@@ -35,8 +38,9 @@ def embed_model():
 
 
 def main(max_new_tokens: int = 40) -> dict:
-    Settings.llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe",
-                               max_new_tokens=max_new_tokens)
+    Settings.llm = EnsembleLLM(
+        members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_new_tokens=max_new_tokens
+    )
     Settings.embed_model = embed_model()
     index = VectorStoreIndex.from_documents(DOCS, transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=16)])
 
@@ -55,8 +59,13 @@ def main(max_new_tokens: int = 40) -> dict:
     chat = index.as_chat_engine(chat_mode="context", similarity_top_k=1)
     reply = chat.chat("How do honey bees share where flowers are?")
     print("chat:", reply.response)
-    return {"answer": answer.response, "sources": sources, "streamed": pieces,
-            "async": async_answer.response, "chat": reply.response}
+    return {
+        "answer": answer.response,
+        "sources": sources,
+        "streamed": pieces,
+        "async": async_answer.response,
+        "chat": reply.response,
+    }
 
 
 if __name__ == "__main__":

@@ -10,10 +10,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest
 import torch
-
-SMOL = "smollm2-135m-instruct"
-GEMMA = "gemma-3-270m"
-
+from helpers import GEMMA, SMOL  # noqa: E402,F401 (fixtures and tests use them)
 
 # On a GPU machine without the bundled weights (ENSEMBLE_LLM_TEST_TOKENIZERS: a folder holding
 # <name>/ with the tokenizer files only), the tiny-model tests still run; deselect `real` there.
@@ -41,28 +38,63 @@ def real_dirs():
 
 
 @pytest.fixture(scope="session")
-def tokenizers(real_dirs):
+def tokenizer_dirs():
+    """Folders with the bundled pair's tokenizers: the converted models when they are there, else
+    the tokenizers alone (extracted from the GGUFs, the weights never converted), so the fast tier
+    converts no model."""
+    from pathlib import Path
+
+    from ensemble_llm.members.loader import tokenizer_dir
+
+    if os.environ.get("ENSEMBLE_LLM_TEST_TOKENIZERS"):
+        return {name: Path(os.environ["ENSEMBLE_LLM_TEST_TOKENIZERS"]) / name for name in (SMOL, GEMMA)}
+    return {name: tokenizer_dir(name, progress=False) for name in (SMOL, GEMMA)}
+
+
+@pytest.fixture(scope="session")
+def tokenizers(tokenizer_dirs):
     from transformers import AutoTokenizer
 
-    return {name: AutoTokenizer.from_pretrained(path) for name, path in real_dirs.items()}
+    return {name: AutoTokenizer.from_pretrained(path) for name, path in tokenizer_dirs.items()}
 
 
 def _tiny_llama(vocab: int, ctx: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ctx,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=ctx,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(cfg)
 
 
 def _tiny_gemma(vocab: int, ctx: int):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
-                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=ctx,
-                           bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=ctx,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     return Gemma3ForCausalLM(cfg)
 
 
@@ -71,8 +103,11 @@ def tiny_dirs(tmp_path_factory, tokenizers):
     """Folders with tiny random-weight models and the real tokenizers: {'smol', 'gemma', 'smol_short'}."""
     torch.manual_seed(0)
     out = {}
-    for key, build, name, ctx in (("smol", _tiny_llama, SMOL, 2048), ("gemma", _tiny_gemma, GEMMA, 2048),
-                                  ("smol_short", _tiny_llama, SMOL, 64)):
+    for key, build, name, ctx in (
+        ("smol", _tiny_llama, SMOL, 2048),
+        ("gemma", _tiny_gemma, GEMMA, 2048),
+        ("smol_short", _tiny_llama, SMOL, 64),
+    ):
         tok = tokenizers[name]
         model = build(len(tok), ctx)
         path = tmp_path_factory.mktemp(f"tiny_{key}")
@@ -114,34 +149,15 @@ def loop_ticks():
     return counting
 
 
-def start_server(models: list[str], method: str, api_key: str | None = None, max_queue: int = 64,
-                 timeout: float = 240.0, extra: list[str] = ()):
-    """`ensemble-llm serve` in a real process on a free 127.0.0.1 port; returns (process, base URL)
-    once /health answers. The caller terminates the process."""
-    import socket
-    import subprocess
-    import sys
-    import time
+# Test tiers: a test that loads the real pair (any fixture built on `real_dirs`) is `real`, one in a
+# module that starts `ensemble-llm serve` processes is `server`; `-m "not real and not ray and not
+# server"` is the fast tier (README, Tests).
+SERVER_MODULES = {"test_serve.py"}
 
-    import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "ensemble_llm", "serve", "--models", ",".join(models), "--method", method,
-           "--port", str(port), "--max-queue", str(max_queue)] + (["--api-key", api_key] if api_key else []) \
-        + list(extra)
-    proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"the server did not come up in {timeout:.0f} s")
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "real_dirs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real)
+        if item.path.name in SERVER_MODULES:
+            item.add_marker(pytest.mark.server)

@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from ensemble_llm.methods.align import (EOS, CanonicalView, UnionDist, sharpen, union_distribution,
-                                        valid_utf8_prefix, vocab_index)
+from ensemble_llm.methods.align import (
+    EOS,
+    CanonicalView,
+    UnionDist,
+    sharpen,
+    union_distribution,
+    valid_utf8_prefix,
+    vocab_index,
+)
 
 
 def test_keys_normalise_spellings_across_tokenizers(tiny_members):
@@ -91,13 +98,16 @@ def _oov_flags(drafter, draft_ids, view):
     return [e not in view.rows for e in ends]
 
 
-@pytest.mark.parametrize("text, want", [
-    ("Incorrect answers", [True, False, False]),  # In|correct vs Incorrect
-    ("Sofía went home", [True, False, False, False, False]),  # S|of|ía vs Sof|ía
-    ("東京タワー", [True, True, True, False, True, False, True, True, False]),  # byte pieces vs whole chars
-    ("I love 🙂 emoji", [False, False, False, True, False]),  # em|oji vs emoji
-    ("Hello world!", [False, False, False]),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("Incorrect answers", [True, False, False]),  # In|correct vs Incorrect
+        ("Sofía went home", [True, False, False, False, False]),  # S|of|ía vs Sof|ía
+        ("東京タワー", [True, True, True, False, True, False, True, True, False]),  # byte pieces vs whole chars
+        ("I love 🙂 emoji", [False, False, False, True, False]),  # em|oji vs emoji
+        ("Hello world!", [False, False, False]),
+    ],
+)
 def test_oov_like_detection_smollm2_drafter_gemma_verifier(tiny_members, text, want):
     smol, gemma = tiny_members["smol"], tiny_members["gemma"]
     view = CanonicalView.start(gemma, gemma.prompt_ids("Q:"))

@@ -16,13 +16,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ensemble_llm import (ConfigError, Ensemble, GenerationResult, ModelNotFoundError, RequestError, SafeConfig)
+from ensemble_llm import ConfigError, Ensemble, GenerationResult, ModelNotFoundError, RequestError, SafeConfig
 
 OK = "ok"
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                         "parameters": {"type": "object",
-                                                        "properties": {"city": {"type": "string"}},
-                                                        "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 
 
@@ -40,8 +44,9 @@ def engine(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def smc_engine(tiny_dirs):
-    return Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc",
-                    config={"weights": None, "n_particles": 2}).load()
+    return Ensemble(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={"weights": None, "n_particles": 2}
+    ).load()
 
 
 def _still_usable(engine):
@@ -62,7 +67,9 @@ def _expect(call, expected):
     with pytest.raises(cls) as info:
         call()
     # our own errors say what is wrong; pydantic's ValidationError wraps ours and keeps the text
-    assert re.search(phrase, str(info.value), re.IGNORECASE), f"unclear error: {type(info.value).__name__}: {info.value}"
+    assert re.search(phrase, str(info.value), re.IGNORECASE), (
+        f"unclear error: {type(info.value).__name__}: {info.value}"
+    )
     return None
 
 
@@ -90,7 +97,11 @@ REQUESTS = [
     (msg("   "), {}, (RequestError, "no text content")),
     (msg({"a": 1}), {}, (RequestError, "content must be a string or a list of text parts")),
     (msg(42), {}, (RequestError, "content must be a string")),
-    (msg([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), {}, (RequestError, "'image_url'.*cannot read")),
+    (
+        msg([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
+        {},
+        (RequestError, "'image_url'.*cannot read"),
+    ),
     (msg([{"type": "text", "text": "hi"}, {"type": "image", "data": "AAAA"}]), {}, (RequestError, "part 1 is 'image'")),
     (msg([{"type": "input_audio", "input_audio": {}}]), {}, (RequestError, "'input_audio'")),
     (msg([42]), {}, (RequestError, "part 0 is 'int'")),
@@ -103,8 +114,15 @@ REQUESTS = [
     (msg("x", tool_calls=[CALL]), {}, (RequestError, "tool_calls belong to assistant")),
     (msg("x", role="assistant", tool_calls="get_weather"), {}, (RequestError, "tool_calls")),
     (msg("x", role="assistant", tool_calls=[{"function": {"arguments": "{}"}}]), {}, (RequestError, "tool_calls")),
-    ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-      {"role": "tool", "content": "sunny", "tool_call_id": "c1"}], {}, OK),
+    (
+        [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        ],
+        {},
+        OK,
+    ),
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], {}, OK),
     (msg([{"type": "text", "text": "hi"}, "there"]), {}, OK),
     ("hi", {"raw": True}, OK),
@@ -113,11 +131,12 @@ REQUESTS = [
     ("word " * 5000, {}, (RequestError, "context window")),
     ("x" * 3, {"max_new_tokens": 10**6}, OK),  # capped at the window
     # max_new_tokens
-    *[("hi", {"max_new_tokens": v}, (RequestError, "max_new_tokens"))
-      for v in (0, -1, 1.5, "4", None, True, math.nan)],
+    *[("hi", {"max_new_tokens": v}, (RequestError, "max_new_tokens")) for v in (0, -1, 1.5, "4", None, True, math.nan)],
     # temperature
-    *[("hi", {"temperature": v}, (RequestError, "temperature"))
-      for v in (-0.1, math.nan, math.inf, -math.inf, "0.5", None, True)],
+    *[
+        ("hi", {"temperature": v}, (RequestError, "temperature"))
+        for v in (-0.1, math.nan, math.inf, -math.inf, "0.5", None, True)
+    ],
     ("hi", {"temperature": 0}, OK),
     ("hi", {"temperature": 100.0, "seed": 1}, OK),
     # top_p
@@ -132,8 +151,10 @@ REQUESTS = [
     # max_retries
     *[("hi", {"max_retries": v}, (RequestError, "max_retries")) for v in (-1, 1.5, "2", True, 101, None)],
     # stop
-    *[("hi", {"stop": v}, (RequestError, "stop must be a string or a list of strings"))
-      for v in (123, [1], [None], ["a", 2], {"a"}, b"x", 4.5)],
+    *[
+        ("hi", {"stop": v}, (RequestError, "stop must be a string or a list of strings"))
+        for v in (123, [1], [None], ["a", 2], {"a"}, b"x", 4.5)
+    ],
     ("hi", {"stop": ["\ud800"]}, (RequestError, "lone surrogate")),
     ("hi", {"stop": ""}, OK),
     ("hi", {"stop": [""]}, OK),
@@ -155,30 +176,54 @@ REQUESTS = [
     ("hi", {"tools": [_tool("f", {"type": "object", "properties": "x"})]}, (RequestError, "not a valid JSON Schema")),
     ("hi", {"tools": [_tool("f", {"type": "objekt"})]}, (RequestError, "not a valid JSON Schema")),
     ("hi", {"tools": [_tool("f", {"type": "object", "required": "city"})]}, (RequestError, "not a valid JSON Schema")),
-    ("hi", {"tools": [_tool("f", {"$defs": {"A": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"})],
-            "tool_choice": "f"}, (RequestError, r"\$ref")),
-    ("hi", {"tools": [_tool("f", {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}})],
-            "tool_choice": "f"}, (RequestError, r"\$ref")),
+    (
+        "hi",
+        {"tools": [_tool("f", {"$defs": {"A": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"})], "tool_choice": "f"},
+        (RequestError, r"\$ref"),
+    ),
+    (
+        "hi",
+        {
+            "tools": [_tool("f", {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}})],
+            "tool_choice": "f",
+        },
+        (RequestError, r"\$ref"),
+    ),
     ("hi", {"tools": [TOOL], "tool_choice": "nope"}, (RequestError, "not among the tools")),
     ("hi", {"tools": [TOOL], "tool_choice": 5}, (RequestError, "tool_choice must be")),
     ("hi", {"tools": [TOOL], "tool_choice": {"type": "function"}}, (RequestError, "tool_choice dict names no tool")),
-    ("hi", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
-     (RequestError, "not among the tools")),
+    (
+        "hi",
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        (RequestError, "not among the tools"),
+    ),
     ("hi", {"tool_choice": "required"}, (RequestError, "needs at least one tool")),
     ("hi", {"tool_choice": "get_weather"}, (RequestError, "not among the tools")),
     ("hi", {"tools": [TOOL], "raw": True}, (RequestError, "tools need a chat prompt")),
     ("hi", {"tools": []}, OK),
     # a forced call whose shortest form cannot fit the budget is refused, saying what it needs
-    ("hi", {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 1},
-     (RequestError, r"forced tool call needs at least \d+ tokens.*max_new_tokens\) is 1")),
+    (
+        "hi",
+        {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 1},
+        (RequestError, r"forced tool call needs at least \d+ tokens.*max_new_tokens\) is 1"),
+    ),
     ("hi", {"tools": [_tool("noargs")], "tool_choice": "noargs", "max_new_tokens": 16}, OK),
-    ("Weather in Paris?", {"tools": [TOOL], "tool_choice": "get_weather", "max_new_tokens": 3},
-     (RequestError, r"needs at least \d+ tokens")),
+    (
+        "Weather in Paris?",
+        {"tools": [TOOL], "tool_choice": "get_weather", "max_new_tokens": 3},
+        (RequestError, r"needs at least \d+ tokens"),
+    ),
     ("Weather in Paris?", {"tools": [TOOL], "tool_choice": "get_weather", "max_new_tokens": 24}, OK),
-    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}], {},
-     (RequestError, r"message 1 \(tool\) has no tool_call_id")),
-    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": ""}], {},
-     (RequestError, "tool_call_id")),
+    (
+        [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}],
+        {},
+        (RequestError, r"message 1 \(tool\) has no tool_call_id"),
+    ),
+    (
+        [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": ""}],
+        {},
+        (RequestError, "tool_call_id"),
+    ),
     ("hi", {"tools": [TOOL], "tool_choice": "none", "max_new_tokens": 3}, OK),
     ("hi", {"tools": [TOOL], "tool_choice": "auto", "max_new_tokens": 3}, OK),
 ]
@@ -191,11 +236,14 @@ def test_request_corpus(engine, prompt, kw, expected):
     _still_usable(engine)
 
 
-@pytest.mark.parametrize("kw, expected", [
-    ({"top_p": 0.5}, (RequestError, "smc.*top_p")),
-    ({"top_p": 1.0, "max_new_tokens": 2}, OK),
-    ({"temperature": math.inf}, (RequestError, "temperature")),
-])
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        ({"top_p": 0.5}, (RequestError, "smc.*top_p")),
+        ({"top_p": 1.0, "max_new_tokens": 2}, OK),
+        ({"temperature": math.inf}, (RequestError, "temperature")),
+    ],
+)
 def test_smc_request_corpus(smc_engine, kw, expected):
     _expect(lambda: smc_engine.generate("hi", **kw), expected)
     _still_usable(smc_engine)
@@ -239,21 +287,64 @@ def _ctor_cases(tiny):
         (dict(members=pair, method="single", config={"member": -1}), (ConfigError, "member")),
         (dict(members=pair, method="single", config={"member": 1}), OK),
         (dict(members=pair, method="safe"), OK),
-        (dict(members=[{"model": s, "preamble": [{"role": "user", "content": "Q"},
-                                                  {"role": "assistant", "content": "A"}]}, g]), OK),
+        (
+            dict(
+                members=[
+                    {"model": s, "preamble": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]},
+                    g,
+                ]
+            ),
+            OK,
+        ),
     ]
     bad_configs = {
-        "safe": [{"lookahead": 0}, {"lookahead": -2}, {"top_k": 0}, {"top_k": 10**9}, {"consensus": 2},
-                 {"consensus": math.nan}, {"weights": [1]}, {"weights": [math.nan, 1]}, {"weights": [math.inf, 1]},
-                 {"weights": [-1, 1]}, {"weights": "uniform"}, {"drafter": 5}, {"drafter": -1}, {"sharpen": "x"},
-                 {"max_lookahead": 0}],
-        "unite": [{"top_k": 0}, {"top_k": 10**9}, {"primary": 3}, {"weights": [1, 2, 3]}, {"weights": [math.nan, 1]},
-                  {"weights": [0, 0]}],
-        "specfuse": [{"segment_len": 0}, {"hedge_lr": math.nan}, {"hedge_lr": -1}, {"score": "x"},
-                     {"exit_threshold": 2}, {"weights": [0, 0]}, {"weights": [math.inf, 1]}],
-        "smc": [{"f": "x"}, {"f": "power"}, {"tau": 1}, {"n_particles": 0}, {"ess_threshold": 2},
-                {"beam_width": 0}, {"prune_threshold": 1}, {"greedy": "x"}, {"max_bytes": 0},
-                {"weights": [math.nan, 1]}, {"weights": [1]}],
+        "safe": [
+            {"lookahead": 0},
+            {"lookahead": -2},
+            {"top_k": 0},
+            {"top_k": 10**9},
+            {"consensus": 2},
+            {"consensus": math.nan},
+            {"weights": [1]},
+            {"weights": [math.nan, 1]},
+            {"weights": [math.inf, 1]},
+            {"weights": [-1, 1]},
+            {"weights": "uniform"},
+            {"drafter": 5},
+            {"drafter": -1},
+            {"sharpen": "x"},
+            {"max_lookahead": 0},
+        ],
+        "unite": [
+            {"top_k": 0},
+            {"top_k": 10**9},
+            {"primary": 3},
+            {"weights": [1, 2, 3]},
+            {"weights": [math.nan, 1]},
+            {"weights": [0, 0]},
+        ],
+        "specfuse": [
+            {"segment_len": 0},
+            {"hedge_lr": math.nan},
+            {"hedge_lr": -1},
+            {"score": "x"},
+            {"exit_threshold": 2},
+            {"weights": [0, 0]},
+            {"weights": [math.inf, 1]},
+        ],
+        "smc": [
+            {"f": "x"},
+            {"f": "power"},
+            {"tau": 1},
+            {"n_particles": 0},
+            {"ess_threshold": 2},
+            {"beam_width": 0},
+            {"prune_threshold": 1},
+            {"greedy": "x"},
+            {"max_bytes": 0},
+            {"weights": [math.nan, 1]},
+            {"weights": [1]},
+        ],
     }
     for method, configs in bad_configs.items():
         for cfg in configs:
@@ -292,9 +383,8 @@ def li(engine):
 
 def _lc_cases():
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-    from pydantic import ValidationError
-
     from langchain_ensemble_llm import EnsembleLLM
+    from pydantic import ValidationError
 
     img = HumanMessage(content=[{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
     return [
@@ -313,11 +403,15 @@ def _lc_cases():
         (lambda llm: llm.invoke("hi\ud800"), (RequestError, "lone surrogate")),
         (lambda llm: llm.invoke("hi", tool_choice="f"), (RequestError, "not among the tools")),
         (lambda llm: llm.bind_tools([_tool("f", "a string")]).invoke("hi"), (Exception, "parameters|schema")),
-        (lambda llm: llm.invoke([HumanMessage("hi"), {"role": "tool", "content": "42"}]),
-         (RequestError, r"message 1 \(tool\) has no tool_call_id")),
+        (
+            lambda llm: llm.invoke([HumanMessage("hi"), {"role": "tool", "content": "42"}]),
+            (RequestError, r"message 1 \(tool\) has no tool_call_id"),
+        ),
         (lambda llm: llm.invoke([HumanMessage("hi"), ("tool", "42")]), (RequestError, "message 1.*tool_call_id")),
-        (lambda llm: llm.bind_tools([TOOL], tool_choice="any").invoke("hi", max_tokens=3),
-         (RequestError, r"needs at least \d+ tokens")),
+        (
+            lambda llm: llm.bind_tools([TOOL], tool_choice="any").invoke("hi", max_tokens=3),
+            (RequestError, r"needs at least \d+ tokens"),
+        ),
         (lambda llm: llm.invoke([SystemMessage("x"), AIMessage("y")]), OK),
         (lambda llm: llm.invoke("hi", stop="i"), OK),
         (lambda llm: llm.invoke([HumanMessage("hi")], max_tokens=1), OK),
@@ -336,9 +430,8 @@ def _lc_cases():
 
 def _li_cases():
     from llama_index.core.base.llms.types import ChatMessage
-    from pydantic import ValidationError
-
     from llama_index.llms.ensemble_llm import EnsembleLLM
+    from pydantic import ValidationError
 
     return [
         (lambda llm: llm.complete(""), (RequestError, "no text content")),
@@ -351,8 +444,10 @@ def _li_cases():
         (lambda llm: llm.complete("hi", bogus=1), (TypeError, "unsupported call arguments.*bogus")),
         (lambda llm: llm.complete("hi\udc80"), (RequestError, "lone surrogate")),
         (lambda llm: llm.chat([ChatMessage(role="user", content=None)]), (RequestError, "no text content")),
-        (lambda llm: llm.chat([ChatMessage(role="user", content="hi"), ChatMessage(role="tool", content="42")]),
-         (RequestError, r"message 1 \(tool\) has no tool_call_id")),
+        (
+            lambda llm: llm.chat([ChatMessage(role="user", content="hi"), ChatMessage(role="tool", content="42")]),
+            (RequestError, r"message 1 \(tool\) has no tool_call_id"),
+        ),
         (lambda llm: llm.complete("hi", formatted=True), OK),
         (lambda llm: llm.complete("hi", stop="i"), OK),
         (lambda llm: EnsembleLLM(engine=llm.engine, temperature=-1), (ValidationError, "temperature")),

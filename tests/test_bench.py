@@ -8,8 +8,19 @@ import pytest
 import torch
 
 from ensemble_llm import ConfigError
-from ensemble_llm.bench import (BUNDLED_TASKS, INSTRUCTIONS, SUITE, bundled_task, load_task, markdown, norm, parse_methods,
-                                resolve_task, run_bench, write)
+from ensemble_llm.bench import (
+    BUNDLED_TASKS,
+    INSTRUCTIONS,
+    SUITE,
+    bundled_task,
+    load_task,
+    markdown,
+    norm,
+    parse_methods,
+    resolve_task,
+    run_bench,
+    write,
+)
 from ensemble_llm.cli import main
 
 
@@ -62,8 +73,9 @@ def test_bad_bench_arguments_are_named(tmp_path, tiny_dirs):
 def test_run_writes_table_json_and_plots(tiny_dirs, tmp_path):
     models = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     specs = parse_methods(["single", "safe", "smc:n_particles=2"], 2)
-    res = run_bench(models, specs, [resolve_task("qa_wikidata:2", 0)], speed_prompts=1, max_new_tokens=4,
-                    progress=False)
+    res = run_bench(
+        models, specs, [resolve_task("qa_wikidata:2", 0)], speed_prompts=1, max_new_tokens=4, progress=False
+    )
     rows = res["methods"]
     assert set(rows) == {"single-0", "single-1", "safe", "smc:n_particles=2"}
     assert rows["single-0"]["ratio_to_single_0"] == 1.0 and rows["single-0"]["members"] == 1
@@ -83,7 +95,8 @@ def test_run_writes_table_json_and_plots(tiny_dirs, tmp_path):
     hits = res["hits"]["qa_wikidata"]
     best = cmp["best_single"]
     assert cmp["methods"]["safe"]["vs_best_single"]["diff"] == pytest.approx(
-        100 * (sum(hits["safe"]) - sum(hits[best])) / 2, abs=0.01)
+        100 * (sum(hits["safe"]) - sum(hits[best])) / 2, abs=0.01
+    )
     assert "| safe | " in table.split("## Against the members alone")[1]
 
 
@@ -99,8 +112,11 @@ def test_bootstrap_interval_against_brute_force():
     got = bootstrap_diff(a, b, resamples=20000)
     # every equally likely stratified resample, enumerated: 3^3 draws of t1 times 2^2 of t2
     d1, d2 = np.array(a["t1"]) - np.array(b["t1"]), np.array(a["t2"]) - np.array(b["t2"])
-    sums = sorted(100 * (d1[list(i)].sum() + d2[list(j)].sum()) / 5
-                  for i in itertools.product(range(3), repeat=3) for j in itertools.product(range(2), repeat=2))
+    sums = sorted(
+        100 * (d1[list(i)].sum() + d2[list(j)].sum()) / 5
+        for i in itertools.product(range(3), repeat=3)
+        for j in itertools.product(range(2), repeat=2)
+    )
     assert got["diff"] == pytest.approx(40.0) and got["examples"] == 5
     assert got["low"] == pytest.approx(np.percentile(sums, 2.5), abs=20.0 / 5)
     assert got["high"] == pytest.approx(np.percentile(sums, 97.5), abs=20.0 / 5)

@@ -8,16 +8,8 @@ import jsonschema
 import pytest
 
 from ensemble_llm import Ensemble, RequestError
-from ensemble_llm.chat import (
-    TOOL_CLOSE,
-    TOOL_OPEN,
-    ToolTextFilter,
-    check_tool_choice,
-    check_tools,
-    content_text,
-    member_messages,
-    parse_tool_calls,
-)
+from ensemble_llm.chat import content_text, member_messages, render_chat
+from ensemble_llm.tools import TOOL_CLOSE, TOOL_OPEN, ToolTextFilter, check_tool_choice, check_tools, parse_tool_calls
 
 
 def tool(name, props=None, required=None, desc=""):
@@ -56,26 +48,34 @@ def test_content_text():
 
 # ---- parsing ----------------------------------------------------------------------------------
 def test_parse_tagged_calls_keeps_content():
-    text = f'Let me check.\n{TOOL_OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{TOOL_CLOSE}\n' \
-           f'{TOOL_OPEN}{{"name": "get_weather", "arguments": "{{\\"city\\": \\"Oslo\\", \\"days\\": 2}}"}}'
+    text = (
+        f'Let me check.\n{TOOL_OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{TOOL_CLOSE}\n'
+        f'{TOOL_OPEN}{{"name": "get_weather", "arguments": "{{\\"city\\": \\"Oslo\\", \\"days\\": 2}}"}}'
+    )
     content, calls = parse_tool_calls(text, [WEATHER, ADD])
     assert content.strip() == "Let me check."
-    assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2}),
-                                                      ("get_weather", {"city": "Oslo", "days": 2})]
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("get_weather", {"city": "Oslo", "days": 2}),
+    ]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
 
 
 def test_parse_bare_json_and_fence():
-    for text in ('{"name": "add", "arguments": {"a": 1, "b": 2}}',
-                 '```json\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n```'):
+    for text in (
+        '{"name": "add", "arguments": {"a": 1, "b": 2}}',
+        '```json\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n```',
+    ):
         content, calls = parse_tool_calls(text, [ADD])
         assert content == "" and calls[0].arguments == {"a": 1, "b": 2}
 
 
 def test_parse_rejects_unknown_tools_and_bad_args():
-    for text in (f'{TOOL_OPEN}{{"name": "mul", "arguments": {{}}}}{TOOL_CLOSE}',
-                 f'{TOOL_OPEN}{{"name": "add", "arguments": [1, 2]}}{TOOL_CLOSE}',
-                 f'{TOOL_OPEN}{{"name": "add", "arguments": {{"a": 1'):
+    for text in (
+        f'{TOOL_OPEN}{{"name": "mul", "arguments": {{}}}}{TOOL_CLOSE}',
+        f'{TOOL_OPEN}{{"name": "add", "arguments": [1, 2]}}{TOOL_CLOSE}',
+        f'{TOOL_OPEN}{{"name": "add", "arguments": {{"a": 1',
+    ):
         content, calls = parse_tool_calls(text, [ADD])
         assert calls == [] and content == text
     assert parse_tool_calls('{"name": "add", "arguments": {}} and more', [ADD])[1] == []
@@ -84,7 +84,9 @@ def test_parse_rejects_unknown_tools_and_bad_args():
 
 def test_filter_streams_content_and_holds_calls():
     f = ToolTextFilter([ADD])
-    out = "".join(f.feed(p) for p in ["Sure", ", here: <to", "ol_call>", '{"name": "add", "arguments": {"a": 1, "b": 2}}'])
+    out = "".join(
+        f.feed(p) for p in ["Sure", ", here: <to", "ol_call>", '{"name": "add", "arguments": {"a": 1, "b": 2}}']
+    )
     assert out == "Sure, here: "
     tail, content, calls = f.finish()
     assert content == "Sure, here:" and tail == "" and calls[0].arguments == {"a": 1, "b": 2}
@@ -101,9 +103,17 @@ def test_member_messages_protocol_and_history(tiny_members):
     smol = tiny_members["smol"]  # ChatML template without tools support
     history = [
         {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}], "name": "ann"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather",
-                                                                   "arguments": {"city": "Oslo", "days": 1}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}},
+                }
+            ],
+        },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"},
     ]
     msgs, native = member_messages(smol, history, [WEATHER], "auto")
@@ -112,7 +122,7 @@ def test_member_messages_protocol_and_history(tiny_members):
     call = json.loads(msgs[2]["content"].split(TOOL_OPEN)[1].split(TOOL_CLOSE)[0])
     assert call == {"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}
     assert msgs[3] == {"role": "tool", "content": "[get_weather] sunny", "tool_call_id": "c1", "name": "get_weather"}
-    prompt = smol.render_chat(msgs)
+    prompt = render_chat(smol, msgs)
     assert "sunny" in prompt and prompt.endswith("<|im_start|>assistant\n")
     # tool_choice "none": no tools in the prompt at all
     msgs, native = member_messages(smol, history[:1], [WEATHER], "none")
@@ -125,9 +135,19 @@ def test_member_messages_protocol_and_history(tiny_members):
 # ---- through the engine (tiny random-weight models: values are noise, the call is well formed) --
 def test_engine_forced_call_is_well_formed(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe")
-    weather = {"type": "function", "function": {**WEATHER["function"], "parameters": {
-        **WEATHER["function"]["parameters"], "properties": {"city": {"type": "string", "maxLength": 8},
-                                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
+    weather = {
+        "type": "function",
+        "function": {
+            **WEATHER["function"],
+            "parameters": {
+                **WEATHER["function"]["parameters"],
+                "properties": {
+                    "city": {"type": "string", "maxLength": 8},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+            },
+        },
+    }
     res = eng.generate("Weather in Oslo for 2 days?", tools=[weather], tool_choice="required", max_new_tokens=40)
     assert res.finish_reason == "tool_calls"  # random weights: the values are noise, the call is valid
     (call,) = res.tool_calls
@@ -177,7 +197,7 @@ def test_tool_choice_none_cuts_calls_from_content(tiny_dirs, monkeypatch):
 
     def scripted_run(self, req):  # a stand-in method run: the text a model imitating its history writes
         req.stats.tokens_out = 5
-        yield from (script[i:i + 7] for i in range(0, len(script), 7))
+        yield from (script[i : i + 7] for i in range(0, len(script), 7))
 
     monkeypatch.setattr(Single, "run", scripted_run)
     eng = Ensemble([tiny_dirs["smol"]])
@@ -201,10 +221,17 @@ def test_repeated_call_from_history_is_dropped(tiny_dirs, monkeypatch):
 
     monkeypatch.setattr(Single, "run", scripted_run)
     eng = Ensemble([tiny_dirs["smol"]])
-    history = [{"role": "user", "content": "1+2?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
-               {"role": "tool", "content": "3", "tool_call_id": "c1"}]
+    history = [
+        {"role": "user", "content": "1+2?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+            ],
+        },
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    ]
     res = eng.generate(history, tools=[ADD])
     assert res.tool_calls == [] and res.text == "The sum is 3." and res.stats["repeated_tool_calls_dropped"] == 1
     fresh = eng.generate(history[:1], tools=[ADD])  # not made before: returned
@@ -218,8 +245,17 @@ def test_repeated_call_from_history_is_dropped(tiny_dirs, monkeypatch):
 def test_self_referencing_schema_fails_fast_and_engine_survives(tiny_dirs):
     """Reliability D1: a $ref cycle with no type used to loop forever in the worker."""
     eng = Ensemble([tiny_dirs["smol"]])
-    loop = {"type": "function", "function": {"name": "f", "parameters": {
-        "$defs": {"A": {"$ref": "#/$defs/A"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}
+    loop = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "$defs": {"A": {"$ref": "#/$defs/A"}},
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/A"}},
+            },
+        },
+    }
     with pytest.raises(RequestError, match="refers back to itself|allows no output"):
         eng.generate("hi", tools=[loop], tool_choice="f", timeout=5)
     bad = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": "x"}}}
@@ -231,9 +267,19 @@ def test_self_referencing_schema_fails_fast_and_engine_survives(tiny_dirs):
 def test_recursive_optional_model_is_a_valid_forced_call(tiny_dirs):
     """A tree (`child: Optional[Node]`, pydantic's schema) through a forced call: the grammar
     allows any depth, the call parses and validates (or the budget ends it)."""
-    node = {"$defs": {"Node": {"type": "object", "properties": {
-        "value": {"type": "string", "maxLength": 4}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
-        "required": ["value", "child"]}}, "$ref": "#/$defs/Node"}
+    node = {
+        "$defs": {
+            "Node": {
+                "type": "object",
+                "properties": {
+                    "value": {"type": "string", "maxLength": 4},
+                    "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
+                },
+                "required": ["value", "child"],
+            }
+        },
+        "$ref": "#/$defs/Node",
+    }
     tool = {"type": "function", "function": {"name": "Node", "parameters": node}}
     eng = Ensemble([tiny_dirs["smol"]])
     res = eng.generate("A tree please.", tools=[tool], tool_choice="Node", max_new_tokens=80)

@@ -13,8 +13,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from ensemble_llm import Ensemble, RequestError
-from ensemble_llm.chat import TOOL_CLOSE, TOOL_OPEN, parse_tool_calls, tool_call_constraint
-from ensemble_llm.constraints import MAX_RECURSION, Constraint, Guide
+from ensemble_llm.constraints import MAX_RECURSION, Constraint
+from ensemble_llm.guide import Guide
+from ensemble_llm.tools import TOOL_CLOSE, TOOL_OPEN, parse_tool_calls, tool_call_constraint
 
 
 class Poem(BaseModel):
@@ -28,23 +29,48 @@ class Node(BaseModel):
     child: Optional["Node"]
 
 
-ITEMS = {"type": "object", "properties": {
-    "items": {"type": "array", "minItems": 2, "items": {"type": "object", "properties": {
-        "label": {"type": "string", "minLength": 3}, "n": {"type": "integer"}}, "required": ["label", "n"]}},
-    "note": {"type": "string"}}, "required": ["items", "note"]}
-CODE = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-                                         "tags": {"type": "array", "items": {"type": "string"}}},
-        "required": ["code", "tags"]}
+ITEMS = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 2,
+            "items": {
+                "type": "object",
+                "properties": {"label": {"type": "string", "minLength": 3}, "n": {"type": "integer"}},
+                "required": ["label", "n"],
+            },
+        },
+        "note": {"type": "string"},
+    },
+    "required": ["items", "note"],
+}
+CODE = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["code", "tags"],
+}
 SCHEMAS = {"poem": Poem.model_json_schema(), "node": Node.model_json_schema(), "items": ITEMS, "code": CODE}
 
 
 # ---- the shortest completion ------------------------------------------------------------------
-@pytest.mark.parametrize("name, prefix", [
-    ("poem", b'{"title": "The Sea", "lines": "The sea is'), ("poem", b""), ("poem", b'{"title'),
-    ("node", b'{"name": "root", "child'), ("node", b'{"name": "a", "child": {"name": "b", "child": {"na'),
-    ("items", b'{"items": [{"label": "x'), ("items", b'{"items": [{"label": "abc", "n": 12'),
-    ("code", b'{"code": "A'), ("code", b'{"code": "ABC-12", "tags": ["x'),
-])
+@pytest.mark.parametrize(
+    "name, prefix",
+    [
+        ("poem", b'{"title": "The Sea", "lines": "The sea is'),
+        ("poem", b""),
+        ("poem", b'{"title'),
+        ("node", b'{"name": "root", "child'),
+        ("node", b'{"name": "a", "child": {"name": "b", "child": {"na'),
+        ("items", b'{"items": [{"label": "x'),
+        ("items", b'{"items": [{"label": "abc", "n": 12'),
+        ("code", b'{"code": "A'),
+        ("code", b'{"code": "ABC-12", "tags": ["x'),
+    ],
+)
 def test_shortest_completion_finishes_every_prefix_validly(name, prefix):
     c = Constraint.json_schema(SCHEMAS[name])
     tail = Guide(c, []).completion(prefix)
@@ -77,8 +103,13 @@ def test_a_required_recursive_field_is_required_at_every_depth_and_null_at_the_b
 
 
 # ---- every method, tiny models, tight budgets ---------------------------------------------------
-METHODS = [("single", None), ("unite", {"weights": None}), ("safe", {"weights": None}),
-           ("specfuse", {"weights": None}), ("smc", {"weights": None, "n_particles": 2})]
+METHODS = [
+    ("single", None),
+    ("unite", {"weights": None}),
+    ("safe", {"weights": None}),
+    ("specfuse", {"weights": None}),
+    ("smc", {"weights": None, "n_particles": 2}),
+]
 
 
 @pytest.fixture(scope="module", params=METHODS, ids=[m for m, _ in METHODS])
@@ -92,9 +123,11 @@ def engine(request, tiny_dirs):
 def test_every_method_closes_a_constrained_reply_within_its_budget(engine, name, budget):
     """Random-weight members write strings that never end on their own: without closing, every
     one of these replies is cut mid-string."""
-    res = engine.generate("Write it.", response_format={"type": "json_schema",
-                                                        "json_schema": {"name": name, "schema": SCHEMAS[name]}},
-                          max_new_tokens=budget)
+    res = engine.generate(
+        "Write it.",
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}},
+        max_new_tokens=budget,
+    )
     jsonschema.validate(json.loads(res.text), SCHEMAS[name])
     assert res.stats["tokens_out"] <= budget and res.usage.completion_tokens <= budget + 1
     if res.finish_reason == "length":
@@ -103,9 +136,17 @@ def test_every_method_closes_a_constrained_reply_within_its_budget(engine, name,
         assert res.finish_reason == "stop" and "closed_early" not in res.stats
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["city", "days"],
+        },
+    },
+}
 
 
 def test_every_method_closes_a_forced_call_under_a_tight_budget(engine):
@@ -130,7 +171,6 @@ def test_a_forced_call_is_a_bare_call_object_without_tags():
 
 def test_llamaindex_tool_selection_closes_or_says_what_the_call_needs(tiny_dirs):
     from llama_index.core.tools import FunctionTool
-
     from llama_index.llms.ensemble_llm import EnsembleLLM as LI
 
     def get_weather(city: str, days: int) -> str:
@@ -149,11 +189,11 @@ def test_llamaindex_tool_selection_closes_or_says_what_the_call_needs(tiny_dirs)
 # ---- tool messages without an id -----------------------------------------------------------------
 def test_a_tool_message_without_its_call_id_is_a_clear_error_everywhere(tiny_dirs):
     from langchain_core.messages import HumanMessage
+    from langchain_ensemble_llm import EnsembleLLM as LC
     from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.llms.ensemble_llm import EnsembleLLM as LI
 
     from ensemble_llm.serve import ApiError, _messages
-    from langchain_ensemble_llm import EnsembleLLM as LC
-    from llama_index.llms.ensemble_llm import EnsembleLLM as LI
 
     eng = Ensemble([tiny_dirs["smol"]], method="single")
     with pytest.raises(RequestError, match=r"message 1 \(tool\) has no tool_call_id"):
@@ -177,10 +217,10 @@ def test_bench_tight_section_counts_valid_replies_per_method(tiny_dirs, tmp_path
     for row in tight:  # every schema compiles, and its shortest document validates
         c = Constraint.json_schema(row["schema"])
         jsonschema.validate(json.loads(Guide(c, []).completion(b"")), row["schema"])
-    specs = [MethodSpec("single", "single", {}, [tiny_dirs["smol"]]),
-             MethodSpec("unite", "unite", {"weights": None})]
-    res = run_constraint_bench([tiny_dirs["smol"], tiny_dirs["gemma"]], specs, sections=["tight"], n_tight=3,
-                               tight_tokens=40, progress=False)
+    specs = [MethodSpec("single", "single", {}, [tiny_dirs["smol"]]), MethodSpec("unite", "unite", {"weights": None})]
+    res = run_constraint_bench(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]], specs, sections=["tight"], n_tight=3, tight_tokens=40, progress=False
+    )
     assert res["methods"] == {} and set(res["tight"]) == {"single", "unite"}
     for r in res["tight"].values():
         assert r["total"] == 3 and r["fitting"] == 3 and r["valid_of_fitting"] == 3, r["failures"]
@@ -211,14 +251,14 @@ def test_real_pair_poem_and_node_through_langchain(real_pair):
 @pytest.mark.real
 def test_real_pair_poem_and_node_through_llamaindex(real_pair):
     from llama_index.core.prompts import PromptTemplate
-
     from llama_index.llms.ensemble_llm import EnsembleLLM
 
     llm = EnsembleLLM(engine=real_pair, max_new_tokens=160)
     poem = llm.structured_predict(Poem, PromptTemplate("Write a two-line poem about the {topic}."), topic="sea")
     assert isinstance(poem, Poem)
-    node = llm.structured_predict(Node, PromptTemplate("Describe a small tree: a root node named '{name}' with "
-                                                       "one child."), name="root")
+    node = llm.structured_predict(
+        Node, PromptTemplate("Describe a small tree: a root node named '{name}' with one child."), name="root"
+    )
     assert isinstance(node, Node)
 
 

@@ -4,6 +4,7 @@ method writing schema-valid JSON and tool calls."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -14,12 +15,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_smc import TableLM  # byte LMs over {a, b} whose distribution can be enumerated
 
 from ensemble_llm import Ensemble, GenerationParams, RequestError
-from ensemble_llm.chat import TOOL_CLOSE, TOOL_OPEN, tool_call_constraint
-from ensemble_llm.constraints import END, Constraint, Guide
+from ensemble_llm.constraints import END, Constraint
+from ensemble_llm.guide import Guide
 from ensemble_llm.methods.smc import EOS, beam_search, f_ensemble, smc_sample
-from test_smc import TableLM  # byte LMs over {a, b} whose distribution can be enumerated
+from ensemble_llm.tools import TOOL_CLOSE, TOOL_OPEN, tool_call_constraint
 
 OPTIONS = ["yes", "no", "maybe", "yesterday"]
 
@@ -31,31 +33,40 @@ def test_builders_match_exactly_what_they_describe():
     r = Constraint.regex(r"\d{3}-[a-z]+")
     assert r.matches("123-ab") and not r.matches("12-ab") and not r.matches("123-")
     j = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-    assert j.matches('{"a": 5}') and not j.matches('{"a": "5"}') and not j.matches('{}')
+    assert j.matches('{"a": 5}') and not j.matches('{"a": "5"}') and not j.matches("{}")
     assert Constraint.json_object().matches('{"x": [1, {"y": null}]}') and not Constraint.json_object().matches("[1]")
     lark = Constraint.lark('start: "a"+ "b"')
     assert lark.matches("aab") and not lark.matches("b")
     assert Constraint.from_response_format({"type": "text"}) is None
-    rf = Constraint.from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}})
+    rf = Constraint.from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}
+    )
     assert rf.kind == "json_schema" and rf.matches('"hi"')
 
 
-@pytest.mark.parametrize("make, phrase", [
-    (lambda: Constraint.json_schema({"type": "strin"}), "not a valid JSON Schema"),
-    (lambda: Constraint.json_schema("{not json"), "not valid JSON"),
-    (lambda: Constraint.json_schema([1]), "must be a dict"),
-    (lambda: Constraint.json_schema({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
-                                     "$ref": "#/$defs/A"}), "refers back to itself"),
-    (lambda: Constraint.json_schema({"properties": {"x": {"$ref": "#/$defs/nope"}}}).check(), "does not exist"),
-    (lambda: Constraint.regex(""), "non-empty pattern"),
-    (lambda: Constraint.regex("(unclosed").check(), "cannot be used"),
-    (lambda: Constraint.choice([]), "list of non-empty strings"),
-    (lambda: Constraint.choice("yes"), "list of non-empty strings"),
-    (lambda: Constraint.lark("start: (").check(), "cannot be used"),
-    (lambda: Constraint.from_response_format({"type": "xml"}), "not supported"),
-    (lambda: Constraint.from_response_format({"type": "json_schema"}), "needs 'json_schema'"),
-    (lambda: Constraint.from_response_format("json"), "response_format must be"),
-])
+@pytest.mark.parametrize(
+    "make, phrase",
+    [
+        (lambda: Constraint.json_schema({"type": "strin"}), "not a valid JSON Schema"),
+        (lambda: Constraint.json_schema("{not json"), "not valid JSON"),
+        (lambda: Constraint.json_schema([1]), "must be a dict"),
+        (
+            lambda: Constraint.json_schema(
+                {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}
+            ),
+            "refers back to itself",
+        ),
+        (lambda: Constraint.json_schema({"properties": {"x": {"$ref": "#/$defs/nope"}}}).check(), "does not exist"),
+        (lambda: Constraint.regex(""), "non-empty pattern"),
+        (lambda: Constraint.regex("(unclosed").check(), "cannot be used"),
+        (lambda: Constraint.choice([]), "list of non-empty strings"),
+        (lambda: Constraint.choice("yes"), "list of non-empty strings"),
+        (lambda: Constraint.lark("start: (").check(), "cannot be used"),
+        (lambda: Constraint.from_response_format({"type": "xml"}), "not supported"),
+        (lambda: Constraint.from_response_format({"type": "json_schema"}), "needs 'json_schema'"),
+        (lambda: Constraint.from_response_format("json"), "response_format must be"),
+    ],
+)
 def test_bad_constraints_are_clear_errors(make, phrase):
     with pytest.raises(RequestError, match=phrase):
         make()
@@ -64,7 +75,7 @@ def test_bad_constraints_are_clear_errors(make, phrase):
 def test_generation_params_are_frozen_and_validated():
     p = GenerationParams(max_new_tokens=8, stop="x", response_format={"type": "json_object"})
     assert p.stop == ("x",) and p.response_format.kind == "json_object" and p.constraint is p.response_format
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.max_new_tokens = 3  # frozen
     assert p.replace(temperature=0.5).temperature == 0.5 and p.temperature == 0.0
     with pytest.raises(RequestError, match="temperature"):
@@ -107,8 +118,9 @@ def test_token_mask_is_sound_and_complete_against_brute_force(tiny_members, key)
         ids = m.encode(prefix_text) if prefix_text else []
         prefix = b"".join(vb[i] for i in ids)
         allowed = set(np.flatnonzero(guide.token_mask(0, ids)).tolist())
-        brute = {t for t, b in enumerate(vb) if b and t not in m.special_ids
-                 and any(o.startswith(prefix + b) for o in opts)}
+        brute = {
+            t for t, b in enumerate(vb) if b and t not in m.special_ids and any(o.startswith(prefix + b) for o in opts)
+        }
         if prefix in opts:
             brute |= set(m.eos_ids)
         assert allowed and allowed <= brute, prefix_text
@@ -157,9 +169,17 @@ def test_constrained_smc_converges_to_the_grammar_restricted_ensemble(tau):
     exact = dict(zip(strings, np.exp(psi - np.logaddexp.reduce(psi))))
     guide = Guide(Constraint.regex(PATTERN), [])
     run = None
-    for run in smc_sample(lms, [b""] * 3, tau=tau, weights=a, n_particles=3000, ess_threshold=0.5,
-                          generator=torch.Generator().manual_seed(0), finished=lambda p: None,
-                          allowed=guide.byte_mask):
+    for run in smc_sample(  # noqa: B007 (the last run is read after the loop)
+        lms,
+        [b""] * 3,
+        tau=tau,
+        weights=a,
+        n_particles=3000,
+        ess_threshold=0.5,
+        generator=torch.Generator().manual_seed(0),
+        finished=lambda p: None,
+        allowed=guide.byte_mask,
+    ):
         pass
     est = run.posterior()
     assert set(est) <= set(strings)  # no particle ever leaves the grammar
@@ -176,27 +196,61 @@ def test_constrained_beam_search_finds_the_exact_mode_among_grammar_strings(tau)
         strings, psi = _constrained_target(lms, tau, a)
         guide = Guide(Constraint.regex(PATTERN), [])
         run = None
-        for run in beam_search(lms, [b""] * 3, tau=tau, weights=a, width=16, finished=lambda p: None,
-                               allowed=guide.byte_mask):
+        for run in beam_search(  # noqa: B007 (the last run is read after the loop)
+            lms, [b""] * 3, tau=tau, weights=a, width=16, finished=lambda p: None, allowed=guide.byte_mask
+        ):
             pass
         assert run.best().text == strings[int(np.argmax(psi))]
         assert abs(run.best().logw - float(psi.max())) < 1e-9
 
 
 # ---- every method writes what the grammar allows (tiny random-weight models) ---------------------
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["admin", "user", "guest"]},
-    "ok": {"type": "boolean"},
-}, "required": ["name", "age", "role", "ok"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 5}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"]}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-    "a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}}}
-METHODS = [("single", None), ("unite", {"weights": None}), ("safe", {"weights": None}),
-           ("specfuse", {"weights": None}), ("smc", {"weights": None, "n_particles": 2})]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "ok"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 5},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+METHODS = [
+    ("single", None),
+    ("unite", {"weights": None}),
+    ("safe", {"weights": None}),
+    ("specfuse", {"weights": None}),
+    ("smc", {"weights": None, "n_particles": 2}),
+]
 
 
 @pytest.fixture(scope="module", params=METHODS, ids=[m for m, _ in METHODS])
@@ -207,17 +261,20 @@ def tiny_engine(request, tiny_dirs):
 
 
 def test_every_method_writes_schema_valid_json(tiny_engine):
-    res = tiny_engine.generate("Describe a user.", response_format={"type": "json_schema",
-                                                                    "json_schema": {"name": "p", "schema": PERSON}},
-                               max_new_tokens=60)
+    res = tiny_engine.generate(
+        "Describe a user.",
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        max_new_tokens=60,
+    )
     assert res.finish_reason == "stop", res.text  # the grammar ended the reply, not the budget
     jsonschema.validate(json.loads(res.text), PERSON)
     assert res.stats["constraint"] == "json_schema"
 
 
 def test_every_method_writes_a_valid_forced_tool_call(tiny_engine):
-    res = tiny_engine.generate("Weather in Oslo for 2 days?", tools=[WEATHER, ADD], tool_choice="required",
-                               max_new_tokens=60)
+    res = tiny_engine.generate(
+        "Weather in Oslo for 2 days?", tools=[WEATHER, ADD], tool_choice="required", max_new_tokens=60
+    )
     assert res.finish_reason == "tool_calls", res.raw_text
     (call,) = res.tool_calls
     spec = {"get_weather": WEATHER, "add": ADD}[call.name]["function"]["parameters"]
@@ -245,7 +302,7 @@ def test_forced_bytes_are_written_without_sampling(tiny_dirs):
     # the reply's text but is neither generated nor counted as output
     head = '{"name": "get_weather", "arguments": '
     assert res.raw_text.startswith(head) and res.tool_calls[0].name == "get_weather"
-    assert res.usage.completion_tokens == len(eng.members[0].encode(res.raw_text[len(head):]))
+    assert res.usage.completion_tokens == len(eng.members[0].encode(res.raw_text[len(head) :]))
     assert st["tokens_out"] == res.usage.completion_tokens
 
 
@@ -275,10 +332,20 @@ REAL_SCHEMAS = ("weather", "quote_escapes", "recursive_tree", "ref", "any_of")
 def real_engines(real_dirs):
     from ensemble_llm import DEFAULT_MODELS
 
-    return {method: Ensemble(list(DEFAULT_MODELS) if method != "single" else [DEFAULT_MODELS[0]], method=method,
-                             config=config if method == "smc" else None).load()
-            for method, config in [("single", None), ("unite", None), ("safe", None), ("specfuse", None),
-                                   ("smc", {"n_particles": 2})]}
+    return {
+        method: Ensemble(
+            list(DEFAULT_MODELS) if method != "single" else [DEFAULT_MODELS[0]],
+            method=method,
+            config=config if method == "smc" else None,
+        ).load()
+        for method, config in [
+            ("single", None),
+            ("unite", None),
+            ("safe", None),
+            ("specfuse", None),
+            ("smc", {"n_particles": 2}),
+        ]
+    }
 
 
 @pytest.mark.real
@@ -299,12 +366,24 @@ def test_real_pair_forced_calls_validate(real_engines, method):
 
 @pytest.mark.real
 def test_real_pair_five_field_call_costs_one_prefill_per_member(real_engines):
-    five = {"type": "object", "properties": {
-        "name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "job": {"type": "string"}, "married": {"type": "boolean"}}, "required": ["name", "city", "age", "job", "married"]}
+    five = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "city": {"type": "string"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "job": {"type": "string"},
+            "married": {"type": "boolean"},
+        },
+        "required": ["name", "city", "age", "job", "married"],
+    }
     tool = {"type": "function", "function": {"name": "record", "parameters": five}}
-    res = real_engines["safe"].generate("Record a person: Anna, 34, a teacher from Oslo, married.", tools=[tool],
-                                        tool_choice="record", max_new_tokens=120)
+    res = real_engines["safe"].generate(
+        "Record a person: Anna, 34, a teacher from Oslo, married.",
+        tools=[tool],
+        tool_choice="record",
+        max_new_tokens=120,
+    )
     assert res.finish_reason == "tool_calls"
     jsonschema.validate(res.tool_calls[0].arguments, five)
     assert [f["prefills"] for f in res.stats["members"].values()] == [1, 1]
@@ -315,8 +394,12 @@ def test_forbidden_tokens_lend_their_mass_to_their_longest_valid_prefix(tiny_mem
     probability to the allowed token spelling its longest valid prefix."""
     m = tiny_members["smol"]
     by = m.vocab.index().by_bytes
-    pair = next((p, p + x) for p in (b"ab", b"ac", b"ad", b"al", b"an") for x in (b"s", b"le", b"out", b"c")
-                if p in by and p + x in by)
+    pair = next(
+        (p, p + x)
+        for p in (b"ab", b"ac", b"ad", b"al", b"an")
+        for x in (b"s", b"le", b"out", b"c")
+        if p in by and p + x in by
+    )
     short, long = by[pair[0]], by[pair[1]]
     guide = Guide(Constraint.choice([pair[0].decode()]), [m])
     row = torch.full((m.vocab_size,), -20.0)
@@ -337,8 +420,9 @@ def test_a_token_the_grammar_must_extend_lends_its_mass_to_the_longer_token(tiny
     m = tiny_members["smol"]
     by = m.vocab.index().by_bytes
     assert b" " in by and b' "' in by
-    guide = Guide(Constraint.json_schema({"type": "object", "properties": {"a": {"type": "string"}},
-                                          "required": ["a"]}), [m])
+    guide = Guide(
+        Constraint.json_schema({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}), [m]
+    )
     ids = m.encode('{"a":')
     assert guide.token_mask(0, ids)[by[b" "]]  # the separator's space alone is allowed...
     assert guide.forced_bytes(b'{"a": ') == b'"'  # ...and the string's quote is forced after it
@@ -348,13 +432,25 @@ def test_a_token_the_grammar_must_extend_lends_its_mass_to_the_longer_token(tiny
     assert out[by[b' "']].item() == pytest.approx(math.log(math.exp(-0.5) + math.exp(-2.0)), abs=1e-5)
     assert out[by[b" "]].item() == -math.inf and guide.merged >= 1
     kl = guide.key_logprobs(b'{"a":', [b" ", b' "'], torch.tensor([-0.5, -2.0]))
-    assert kl[0].item() == -math.inf and kl[1].item() == pytest.approx(math.log(math.exp(-0.5) + math.exp(-2.0)), abs=1e-5)
+    assert kl[0].item() == -math.inf and kl[1].item() == pytest.approx(
+        math.log(math.exp(-0.5) + math.exp(-2.0)), abs=1e-5
+    )
 
 
 def test_recursive_definitions_are_bounded_only_where_an_alternative_remains():
-    node = {"$defs": {"Node": {"type": "object", "properties": {
-        "name": {"type": "string"}, "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}},
-        "required": ["name", "child"]}}, "$ref": "#/$defs/Node"}
+    node = {
+        "$defs": {
+            "Node": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
+                },
+                "required": ["name", "child"],
+            }
+        },
+        "$ref": "#/$defs/Node",
+    }
     c = Constraint.json_schema(node)
 
     def tree(depth):
@@ -364,6 +460,7 @@ def test_recursive_definitions_are_bounded_only_where_an_alternative_remains():
         return json.dumps(out)
 
     from ensemble_llm.constraints import MAX_RECURSION
+
     assert all(c.matches(tree(d)) for d in range(1, MAX_RECURSION + 1))
     assert not c.matches(tree(MAX_RECURSION + 1))
     # a recursion with no alternative to stop on is left as it is (no instance is lost to the bound)

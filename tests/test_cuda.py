@@ -24,8 +24,7 @@ def test_every_method_runs_in_bf16_on_the_gpu(tiny_dirs, method):
 
 @pytest.mark.parametrize("method", ["safe", "specfuse", "smc"])
 def test_members_on_different_devices(tiny_dirs, method):
-    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method, device=["cuda", "cpu"],
-                   dtype="float32")
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method, device=["cuda", "cpu"], dtype="float32")
     res = eng.generate("Hello there", max_new_tokens=10)
     assert [m.device.type for m in eng.members] == ["cuda", "cpu"]
     ref = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method, device="cpu", dtype="float32")
@@ -49,8 +48,14 @@ def test_forward_rows_on_the_gpu(tiny_dirs):
 def test_bench_records_the_gpu(tiny_dirs):
     from ensemble_llm.bench import parse_methods, resolve_task, run_bench
 
-    res = run_bench([tiny_dirs["smol"], tiny_dirs["gemma"]], parse_methods(["single:member=0", "smc:n_particles=2"], 2),
-                    [resolve_task("qa_wikidata:2", 0)], speed_prompts=1, max_new_tokens=4, progress=False)
+    res = run_bench(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]],
+        parse_methods(["single:member=0", "smc:n_particles=2"], 2),
+        [resolve_task("qa_wikidata:2", 0)],
+        speed_prompts=1,
+        max_new_tokens=4,
+        progress=False,
+    )
     assert res["devices"] == ["cuda:0"] and res["cuda"]
     assert all(r["peak_memory_mb"] > 0 for r in res["methods"].values())
 
@@ -61,19 +66,21 @@ def test_ray_members_on_the_gpu(tiny_dirs, method):
     context), float32 so the text is the in-process one."""
     import ray
 
-    from ensemble_llm.members.remote import clear_actors
+    from ensemble_llm.ray import clear_actors
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
     try:
         pair = [tiny_dirs["smol"], tiny_dirs["gemma"]]
         cfg = {"n_particles": 2} if method == "smc" else None
-        eng = Ensemble(pair, method, cfg, dtype="float32", placement="ray",
-                       member_resources={"num_gpus": 0.5, "num_cpus": 1})
+        eng = Ensemble(
+            pair, method, cfg, dtype="float32", placement="ray", member_resources={"num_gpus": 0.5, "num_cpus": 1}
+        )
         res = eng.generate("Tell me about the sea.", max_new_tokens=12)
         assert [m.actor_device for m in eng.members] == ["cuda:0", "cuda:0"]
-        ref = Ensemble(pair, method, cfg, device="cuda", dtype="float32").generate("Tell me about the sea.",
-                                                                                  max_new_tokens=12)
+        ref = Ensemble(pair, method, cfg, device="cuda", dtype="float32").generate(
+            "Tell me about the sea.", max_new_tokens=12
+        )
         assert res.text == ref.text and res.stats["bytes_moved"] > 0
     finally:
         clear_actors()

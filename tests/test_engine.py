@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ensemble_llm import ConfigError, Ensemble, GenerationError, ModelNotFoundError, RequestError
-from ensemble_llm.chat import BASE_PREAMBLE
+from ensemble_llm.chat import BASE_PREAMBLE, render_chat
 from ensemble_llm.members import BUNDLED
 
 
@@ -21,10 +21,11 @@ def engine(tiny_dirs):
 def test_single_greedy_equals_transformers_generate(engine):
     m = engine.members[0]
     res = engine.generate("Tell me a story.", max_new_tokens=12)
-    ids = m.prompt_ids(m.render_chat([{"role": "user", "content": "Tell me a story."}]))
+    ids = m.prompt_ids(render_chat(m, [{"role": "user", "content": "Tell me a story."}]))
     with torch.inference_mode():
-        out = m.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                               eos_token_id=sorted(m.eos_ids), pad_token_id=0)[0, len(ids):].tolist()
+        out = m.model.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=sorted(m.eos_ids), pad_token_id=0
+        )[0, len(ids) :].tolist()
     out = [t for t in out if t not in m.eos_ids]
     assert res.text == m.decode(out)
     assert res.usage.prompt_tokens == len(ids)
@@ -108,6 +109,7 @@ def test_abandoned_stream_leaves_engine_usable(engine):
 
 # ---- bad input: clear errors, engine still usable ----------------------------------------
 
+
 def test_unknown_model_lists_valid_names():
     with pytest.raises(ModelNotFoundError) as e:
         Ensemble(["smollm3-9000b"])
@@ -151,33 +153,38 @@ def test_hub_id_not_in_cache_is_a_clear_offline_error(tmp_path, monkeypatch):
         eng.load()
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(prompt=""), "empty"),
-    (dict(prompt="   "), "empty"),
-    (dict(prompt=[]), "empty"),
-    (dict(prompt=[{"role": "robot", "content": "x"}]), "role"),
-    (dict(prompt="hi", max_new_tokens=0), "max_new_tokens"),
-    (dict(prompt="hi", max_new_tokens=-3), "max_new_tokens"),
-    (dict(prompt="hi", temperature=-0.5), "temperature"),
-    (dict(prompt="hi", top_p=0), "top_p"),
-    (dict(prompt="hi", stop=[3]), "stop"),
-    # reliability D3-D6, D11: refused before any work, naming the problem
-    (dict(prompt=[{"role": "user"}]), "no text content"),
-    (dict(prompt=[{"role": "user", "content": None}]), "no text content"),
-    (dict(prompt=[{"role": "user", "content": "  "}]), "no text content"),
-    (dict(prompt=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     "part 0 is 'image_url'"),
-    (dict(prompt=[{"role": "user", "content": {"text": "hi"}}]), "string or a list of text parts"),
-    (dict(prompt=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]), "tool_calls"),
-    (dict(prompt="hi", temperature=float("inf")), "finite"),
-    (dict(prompt="hi", temperature=float("nan")), "finite"),
-    (dict(prompt="hi", timeout=float("nan")), "timeout"),
-    (dict(prompt="hi", timeout=float("inf")), "timeout"),
-    (dict(prompt="hi", seed=2**64), "seed"),
-    (dict(prompt="hi", stop=123), "stop must be a string"),
-    (dict(prompt="caf\udce9"), "lone surrogate"),
-    (dict(prompt=[{"role": "user", "content": "x\ud800"}]), "lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(prompt=""), "empty"),
+        (dict(prompt="   "), "empty"),
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=[{"role": "robot", "content": "x"}]), "role"),
+        (dict(prompt="hi", max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt="hi", max_new_tokens=-3), "max_new_tokens"),
+        (dict(prompt="hi", temperature=-0.5), "temperature"),
+        (dict(prompt="hi", top_p=0), "top_p"),
+        (dict(prompt="hi", stop=[3]), "stop"),
+        # reliability D3-D6, D11: refused before any work, naming the problem
+        (dict(prompt=[{"role": "user"}]), "no text content"),
+        (dict(prompt=[{"role": "user", "content": None}]), "no text content"),
+        (dict(prompt=[{"role": "user", "content": "  "}]), "no text content"),
+        (
+            dict(prompt=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "part 0 is 'image_url'",
+        ),
+        (dict(prompt=[{"role": "user", "content": {"text": "hi"}}]), "string or a list of text parts"),
+        (dict(prompt=[{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]), "tool_calls"),
+        (dict(prompt="hi", temperature=float("inf")), "finite"),
+        (dict(prompt="hi", temperature=float("nan")), "finite"),
+        (dict(prompt="hi", timeout=float("nan")), "timeout"),
+        (dict(prompt="hi", timeout=float("inf")), "timeout"),
+        (dict(prompt="hi", seed=2**64), "seed"),
+        (dict(prompt="hi", stop=123), "stop must be a string"),
+        (dict(prompt="caf\udce9"), "lone surrogate"),
+        (dict(prompt=[{"role": "user", "content": "x\ud800"}]), "lone surrogate"),
+    ],
+)
 def test_bad_requests(engine, kw, match):
     prompt = kw.pop("prompt")
     with pytest.raises(RequestError, match=match):

@@ -19,7 +19,9 @@ def test_answer_spans_are_the_shown_answers_with_their_newline():
     data = FEW_SHOT.encode()
     spans = answer_spans(FEW_SHOT)
     assert [data[a:b] for a, b in spans] == [b" Paris\n", b" Tokyo\n"]
-    assert answer_spans("Input: ab\nOutput: ba\nInput: cd\nOutput:") == [(len("Input: ab\nOutput:"), len("Input: ab\nOutput: ba\n"))]
+    assert answer_spans("Input: ab\nOutput: ba\nInput: cd\nOutput:") == [
+        (len("Input: ab\nOutput:"), len("Input: ab\nOutput: ba\n"))
+    ]
     # no label line, an empty shown answer, a label nothing repeats: no evidence
     assert answer_spans("What is the capital of France?") == []
     assert answer_spans("Q: x\nA:\nQ: y\nA:") == []
@@ -98,8 +100,11 @@ def test_auto_weights_follow_the_prompt_and_cost_no_forward(tiny_dirs, method):
 
 def test_chat_history_answers_are_evidence(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="unite").load()
-    msgs = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."},
-            {"role": "user", "content": "Capital of Peru?"}]
+    msgs = [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "Capital of Peru?"},
+    ]
     res = eng.generate(msgs, max_new_tokens=4)
     assert set(res.stats["evidence"]) == {m.name for m in eng.members}
     assert all(n >= 1 for n in res.stats["evidence_positions"].values())

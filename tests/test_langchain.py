@@ -9,12 +9,12 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
+from langchain_ensemble_llm import EnsembleLLM
+from langchain_ensemble_llm.chat_models import to_engine_messages
 from pydantic import BaseModel, ValidationError
 from typing_extensions import TypedDict
 
 from ensemble_llm import RequestError
-from langchain_ensemble_llm import EnsembleLLM
-from langchain_ensemble_llm.chat_models import to_engine_messages
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,16 @@ def test_construction_is_lazy_shared_and_validated(pair):
     b = EnsembleLLM(members=pair, config={"lookahead": 6}, progress=False)
     assert a.engine is b.engine and a.engine._members is None  # nothing loaded yet
     assert a.method == "safe" and a.model_name == f"safe:{'+'.join(a.engine.model_names)}"
-    for kwargs, field in (({"temperature": -1}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
-                          ({"top_p": 1.5}, "top_p"), ({"temprature": 0.5}, "temprature"),
-                          ({"method": "magic"}, "magic"), ({"members": ["no-such-model-9b"]}, "no-such-model-9b"),
-                          ({"config": {"lookahed": 3}}, "lookahed"), ({"engine": "x"}, "engine")):
+    for kwargs, field in (
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temprature": 0.5}, "temprature"),
+        ({"method": "magic"}, "magic"),
+        ({"members": ["no-such-model-9b"]}, "no-such-model-9b"),
+        ({"config": {"lookahed": 3}}, "lookahed"),
+        ({"engine": "x"}, "engine"),
+    ):
         with pytest.raises((ValidationError, ValueError), match=field):
             EnsembleLLM(**{"members": pair, **kwargs})
     shared = EnsembleLLM(engine=a.engine)
@@ -69,13 +75,15 @@ def test_construction_is_lazy_shared_and_validated(pair):
 
 
 def test_messages_conversion():
-    msgs = to_engine_messages([
-        SystemMessage("Be brief."),
-        HumanMessage(content=[{"type": "text", "text": "2+3?"}], name="bob"),
-        AIMessage(content="", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1"}]),
-        ToolMessage("boom", tool_call_id="c1", status="error"),
-        ChatMessage(role="developer", content="dev note"),
-    ])
+    msgs = to_engine_messages(
+        [
+            SystemMessage("Be brief."),
+            HumanMessage(content=[{"type": "text", "text": "2+3?"}], name="bob"),
+            AIMessage(content="", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1"}]),
+            ToolMessage("boom", tool_call_id="c1", status="error"),
+            ChatMessage(role="developer", content="dev note"),
+        ]
+    )
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "system"]
     assert msgs[1] == {"role": "user", "content": "2+3?", "name": "bob"}
     assert msgs[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
@@ -87,7 +95,9 @@ def test_messages_conversion():
 def test_invoke_stream_agree_and_metadata(llm):
     res = llm.invoke("Hello there", seed=1)
     assert isinstance(res, AIMessage) and isinstance(res.content, str)
-    assert res.usage_metadata["total_tokens"] == res.usage_metadata["input_tokens"] + res.usage_metadata["output_tokens"]
+    assert (
+        res.usage_metadata["total_tokens"] == res.usage_metadata["input_tokens"] + res.usage_metadata["output_tokens"]
+    )
     assert res.response_metadata["model_name"] == llm.model_name and res.response_metadata["method"] == "safe"
     assert "forward_passes" in next(iter(res.response_metadata["stats"]["members"].values()))
     chunks = list(llm.stream("Hello there"))
@@ -126,8 +136,10 @@ def test_stop_field_and_per_call(pair):
         pytest.skip("the random model ended too early to place a stop string")
     stop = text[2:4]
     assert base.invoke("Hello", stop=[stop]).content == text[: text.find(stop)]
-    assert EnsembleLLM(members=pair, max_tokens=12, stop=[stop], progress=False).invoke("Hello").content == \
-        text[: text.find(stop)]
+    assert (
+        EnsembleLLM(members=pair, max_tokens=12, stop=[stop], progress=False).invoke("Hello").content
+        == text[: text.find(stop)]
+    )
     # a string is one stop string, never split into characters (reliability D2)
     assert base._request("is", {}).stop == ("is",)
     assert base.invoke("Hello", stop=stop).content == text[: text.find(stop)]
@@ -152,12 +164,25 @@ def test_errors_surface_in_every_path(tiny_dirs):
 def test_bind_tools_choices_and_forced_calls(llm):
     with pytest.raises(RequestError, match="not among the tools"):
         llm.bind_tools([add], tool_choice="multiply")
-    for choice in (None, "auto", "none", "any", "required", "add", True, {"type": "function", "function": {"name": "add"}}):
+    for choice in (
+        None,
+        "auto",
+        "none",
+        "any",
+        "required",
+        "add",
+        True,
+        {"type": "function", "function": {"name": "add"}},
+    ):
         llm.bind_tools([add, shout], tool_choice=choice)  # every documented form is accepted
     # forced syntax counts toward max_tokens like every written token: a call needs ~30
     res = llm.bind_tools([add, shout], tool_choice="add", max_tokens=64).invoke("What is 2 + 3?")
     (call,) = res.tool_calls
-    assert call["name"] == "add" and set(call["args"]) == {"a", "b"} and all(isinstance(v, int) for v in call["args"].values())
+    assert (
+        call["name"] == "add"
+        and set(call["args"]) == {"a", "b"}
+        and all(isinstance(v, int) for v in call["args"].values())
+    )
     assert call["id"] and res.response_metadata["finish_reason"] == "tool_calls"
     chunks = list(llm.bind_tools([add], tool_choice="any", max_tokens=64).stream("What is 2 + 3?"))
     full = chunks[0]
@@ -174,8 +199,13 @@ def test_structured_output_pydantic_typeddict_json_schema(pair, method):
     small = Answer.model_json_schema()
     small["properties"]["answer"]["maxLength"] = 6
     small["properties"]["note"] = {"type": "null"}
-    schema = {"title": "verdict", "description": "A verdict.", "type": "object",
-              "properties": {"guilty": {"type": "boolean"}}, "required": ["guilty"]}
+    schema = {
+        "title": "verdict",
+        "description": "A verdict.",
+        "type": "object",
+        "properties": {"guilty": {"type": "boolean"}},
+        "required": ["guilty"],
+    }
     if method == "json_mode":  # any JSON object: parsed as JSON, not checked against a schema
         out = llm.with_structured_output(None, method="json_mode").invoke("Reply in JSON.")
         assert isinstance(out, dict)

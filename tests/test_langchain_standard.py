@@ -7,10 +7,9 @@ Unit suite: no weights load (construction is lazy). Integration suite: the real 
 from __future__ import annotations
 
 import pytest
+from langchain_ensemble_llm import EnsembleLLM
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
-
-from langchain_ensemble_llm import EnsembleLLM
 
 PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
 
@@ -45,9 +44,11 @@ class TestEnsembleLLMIntegration(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
-    @pytest.mark.xfail(reason="capability: a 135M/270M model does not decide on its own (tool_choice=None) "
-                              "to call a tool; required calls (tool_choice='any' or a name) work and pass "
-                              "test_tool_calling, test_tool_choice and the structured-output tests")
+    @pytest.mark.xfail(
+        reason="capability: a 135M/270M model does not decide on its own (tool_choice=None) "
+        "to call a tool; required calls (tool_choice='any' or a name) work and pass "
+        "test_tool_calling, test_tool_choice and the structured-output tests"
+    )
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)
 
@@ -61,7 +62,7 @@ def _served_pair() -> str:
     if "url" not in _SERVED:
         import atexit
 
-        from conftest import start_server
+        from helpers import start_server
 
         proc, base = start_server(PAIR, "safe", api_key="test-key")
         atexit.register(lambda: (proc.terminate(), proc.wait(timeout=30)))
@@ -89,7 +90,9 @@ class TestEnsembleLLMClientIntegration(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
-    @pytest.mark.xfail(reason="capability: a 135M/270M model does not decide on its own (tool_choice=None) "
-                              "to call a tool; required calls work")
+    @pytest.mark.xfail(
+        reason="capability: a 135M/270M model does not decide on its own (tool_choice=None) "
+        "to call a tool; required calls work"
+    )
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)

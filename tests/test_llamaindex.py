@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from langchain_ensemble_llm import EnsembleLLM as LangChainEnsembleLLM
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ToolCallBlock
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.tools import FunctionTool
+from llama_index.llms.ensemble_llm import EnsembleLLM
+from llama_index.llms.ensemble_llm.base import to_engine_messages
 from pydantic import BaseModel, Field, ValidationError
 
 from ensemble_llm import RequestError
-from langchain_ensemble_llm import EnsembleLLM as LangChainEnsembleLLM
-from llama_index.llms.ensemble_llm import EnsembleLLM
-from llama_index.llms.ensemble_llm.base import to_engine_messages
 
 
 def add(a: int, b: int) -> int:
@@ -44,21 +44,29 @@ def test_construction_metadata_and_sharing(pair):
     lc = LangChainEnsembleLLM(members=pair, config={"lookahead": 7}, progress=False)
     assert lc.engine is a.engine  # one engine, one set of loaded models, for both frameworks
     assert EnsembleLLM(engine=lc.engine).engine is lc.engine
-    for kwargs, field in (({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_new_tokens"),
-                          ({"method": "magic"}, "magic"), ({"members": ["no-such-model-9b"]}, "no-such-model-9b"),
-                          ({"temprature": 0.5}, "temprature")):
+    for kwargs, field in (
+        ({"temperature": -1}, "temperature"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"method": "magic"}, "magic"),
+        ({"members": ["no-such-model-9b"]}, "no-such-model-9b"),
+        ({"temprature": 0.5}, "temprature"),
+    ):
         with pytest.raises((ValidationError, ValueError), match=field):
             EnsembleLLM(**{"members": pair, **kwargs})
 
 
 def test_messages_conversion():
-    msgs = to_engine_messages([
-        ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
-        ChatMessage(role=MessageRole.USER, content="2+3?"),
-        ChatMessage(role=MessageRole.ASSISTANT, blocks=[ToolCallBlock(tool_call_id="c1", tool_name="add",
-                                                                      tool_kwargs={"a": 2, "b": 3})]),
-        ChatMessage(role=MessageRole.TOOL, content="5", additional_kwargs={"tool_call_id": "c1", "name": "add"}),
-    ])
+    msgs = to_engine_messages(
+        [
+            ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
+            ChatMessage(role=MessageRole.USER, content="2+3?"),
+            ChatMessage(
+                role=MessageRole.ASSISTANT,
+                blocks=[ToolCallBlock(tool_call_id="c1", tool_name="add", tool_kwargs={"a": 2, "b": 3})],
+            ),
+            ChatMessage(role=MessageRole.TOOL, content="5", additional_kwargs={"tool_call_id": "c1", "name": "add"}),
+        ]
+    )
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool"]
     assert msgs[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert msgs[3] == {"role": "tool", "content": "5", "tool_call_id": "c1", "name": "add"}
@@ -95,8 +103,9 @@ def test_system_prompt_is_applied(pair, llm):
     with_sys = EnsembleLLM(members=pair, max_new_tokens=12, system_prompt="Answer in French.", progress=False)
     msgs = with_sys._messages([ChatMessage(role=MessageRole.USER, content="hi")])
     assert msgs[0] == {"role": "system", "content": "Answer in French."}
-    kept = with_sys._messages([ChatMessage(role=MessageRole.SYSTEM, content="mine"),
-                               ChatMessage(role=MessageRole.USER, content="hi")])
+    kept = with_sys._messages(
+        [ChatMessage(role=MessageRole.SYSTEM, content="mine"), ChatMessage(role=MessageRole.USER, content="hi")]
+    )
     assert kept[0]["content"] == "mine" and len(kept) == 2
 
 
@@ -147,8 +156,9 @@ def test_structured_predict(llm):
         name: str = Field(max_length=6)  # random-weight members: bounded, so the noise ends in the budget
         age: int = Field(ge=0, le=150)
 
-    out = llm.structured_predict(Person, PromptTemplate("Describe {who}."), who="Ada Lovelace",
-                                 llm_kwargs={"max_new_tokens": 48})
+    out = llm.structured_predict(
+        Person, PromptTemplate("Describe {who}."), who="Ada Lovelace", llm_kwargs={"max_new_tokens": 48}
+    )
     assert isinstance(out, Person) and 0 <= out.age <= 150 and len(out.name) <= 6
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ensemble_llm.chat import chat_stops, render_chat
 from ensemble_llm.members.vocab import tokenizer_kind
 
 TEXTS = [
@@ -46,12 +47,12 @@ def test_tokenizer_kinds_and_special_tokens(tiny_members):
 def test_bos_and_chat_rendering(tiny_members):
     smol, gemma = tiny_members["smol"], tiny_members["gemma"]
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
-    s = smol.render_chat(msgs)
+    s = render_chat(smol, msgs)
     assert s.startswith("<|im_start|>system\nBe brief.<|im_end|>") and s.endswith("<|im_start|>assistant\n")
     assert not smol.adds_bos and smol.prompt_ids(s)[0] == smol.tokenizer.convert_tokens_to_ids("<|im_start|>")
-    g = gemma.render_chat(msgs)
+    g = render_chat(gemma, msgs)
     assert g == "Be brief.\nUser:\nHi?\nAssistant:\n"
-    assert gemma.chat_stop_strings == ("\nUser:", "\nAssistant:") and smol.chat_stop_strings == ()
+    assert chat_stops(gemma) == ("\nUser:", "\nAssistant:") and chat_stops(smol) == ()
     ids = gemma.prompt_ids(g)
     assert ids[0] == gemma.bos_id and ids[1] != gemma.bos_id
     assert gemma.prompt_ids("<bos>" + g) == ids  # never a double BOS

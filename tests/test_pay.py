@@ -9,15 +9,17 @@ import math
 import numpy as np
 import pytest
 
-from ensemble_llm import ConfigError, DEFAULT_MODELS, Ensemble, SafeConfig
+from ensemble_llm import DEFAULT_MODELS, ConfigError, Ensemble, SafeConfig
 from ensemble_llm.bench import contains_answer, load_task, repeats, resolve_task
 from ensemble_llm.calibrate import as_question, em_weights
 from ensemble_llm.chat import BASE_PREAMBLE, check_preamble, with_preamble
 from ensemble_llm.methods.smc import SmcConfig
 from ensemble_llm.methods.unite import UniteConfig
 
-SHOTS = ("Q: The capital of Germany is\nA: Berlin\nQ: The capital of Italy is\nA: Rome\n"
-         "Q: The author of Hamlet is\nA: William Shakespeare\n")
+SHOTS = (
+    "Q: The capital of Germany is\nA: Berlin\nQ: The capital of Italy is\nA: Rome\n"
+    "Q: The author of Hamlet is\nA: William Shakespeare\n"
+)
 
 
 # ---- weights="auto": EM mixture weights ----------------------------------------------------------
@@ -90,8 +92,9 @@ def test_unbounded_top_k_and_single_member_smc_are_refused(tiny_dirs):
 # ---- preambles ------------------------------------------------------------------------------------
 def test_preamble_rules():
     assert with_preamble([], [{"role": "user", "content": "hi"}]) == [{"role": "user", "content": "hi"}]
-    merged = with_preamble(list(BASE_PREAMBLE), [{"role": "system", "content": "Be terse."},
-                                                 {"role": "user", "content": "hi"}])
+    merged = with_preamble(
+        list(BASE_PREAMBLE), [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    )
     assert merged[0]["role"] == "system" and merged[0]["content"].endswith("\nBe terse.")
     assert merged[1:-1] == list(BASE_PREAMBLE[1:]) and merged[-1] == {"role": "user", "content": "hi"}
     with pytest.raises(ConfigError, match="preamble message 1"):
@@ -143,8 +146,9 @@ def test_smc_temperature_zero_searches_deterministically(tiny_dirs):
     assert "".join(eng.stream("Tell me about the sea.", max_new_tokens=6)) == res.text
     for m in eng.members:  # one prefill, then at most one batched forward per byte step
         assert res.stats["members"][m.name]["forward_passes"] <= res.stats["beam_steps"] + 1
-    sample = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc",
-                      config={"n_particles": 3, "greedy": "sample"}).generate("Hi", max_new_tokens=4)
+    sample = Ensemble(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={"n_particles": 3, "greedy": "sample"}
+    ).generate("Hi", max_new_tokens=4)
     assert sample.stats["search"] == "smc"
     with pytest.raises(ConfigError, match="greedy"):
         SmcConfig(greedy="argmax")
@@ -165,8 +169,10 @@ def test_chat_scoring_helpers():
 # ---- the real bundled models ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair_engines(real_dirs):
-    return {m: Ensemble(list(DEFAULT_MODELS), method=m, config={"n_particles": 4} if m == "smc" else None).load()
-            for m in ("unite", "safe", "specfuse", "smc")}
+    return {
+        m: Ensemble(list(DEFAULT_MODELS), method=m, config={"n_particles": 4} if m == "smc" else None).load()
+        for m in ("unite", "safe", "specfuse", "smc")
+    }
 
 
 @pytest.mark.real
@@ -203,8 +209,14 @@ def test_bench_chat_task_with_and_without_preambles(tiny_dirs):
 
     models = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     for pre in (True, False):
-        res = run_bench(models, parse_methods(["single:member=1"], 2), [resolve_task("chat_facts:2", 0)],
-                        speed_prompts=0, progress=False, preambles=pre)
+        res = run_bench(
+            models,
+            parse_methods(["single:member=1"], 2),
+            [resolve_task("chat_facts:2", 0)],
+            speed_prompts=0,
+            progress=False,
+            preambles=pre,
+        )
         row = res["methods"]["single-1"]
         assert res["preambles"] is pre and row["correct"]["chat_facts"] in (0, 1, 2)
         assert row["repeating"]["chat_facts"] in (0, 1, 2)

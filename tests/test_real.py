@@ -37,21 +37,31 @@ def test_gemma_completes_a_fact_through_the_plain_chat_fallback():
     assert res.text.startswith(" Paris")
     chat = eng.stream([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=48)
     text = "".join(chat)
-    assert chat.result.usage.prompt_tokens == len(eng.members[1].prompt_ids(
-        eng._chat_prompt(1, "What is the capital of France?")))
+    assert chat.result.usage.prompt_tokens == len(
+        eng.members[1].prompt_ids(eng._chat_prompt(1, "What is the capital of France?"))
+    )
     assert "Paris" in text  # the base model answers like an assistant behind its preamble
     assert "\nUser:" not in text  # the fallback transcript's next turn is a stop string
 
 
 def test_cli_streams_an_answer(real_dirs):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "ensemble_llm", "generate", "--max-new-tokens", "48"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "ensemble_llm", "generate", "--max-new-tokens", "48"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
 
 def test_cli_reports_unknown_model_cleanly():
-    out = subprocess.run([sys.executable, "-m", "ensemble_llm", "generate", "hi", "--models", "nope-1b"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ensemble_llm", "generate", "hi", "--models", "nope-1b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "unknown model 'nope-1b'" in out.stderr and "gemma-3-270m" in out.stderr

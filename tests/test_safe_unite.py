@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from ensemble_llm import ConfigError, DEFAULT_MODELS, Ensemble, SafeConfig
+from ensemble_llm import DEFAULT_MODELS, ConfigError, Ensemble, SafeConfig
 from ensemble_llm.methods import Request
-
 
 
 @pytest.mark.parametrize("method", ["unite", "safe"])
@@ -49,8 +48,12 @@ def test_safe_stats_add_up_on_tiny_pair(tiny_dirs):
 
 # ---- the real bundled pair -------------------------------------------------------------------
 
-PROMPTS = ["What is the capital of France?", "Name three colours.", "Sofía lives in Madrid. Where does she live?",
-           "Write one sentence about 東京."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Sofía lives in Madrid. Where does she live?",
+    "Write one sentence about 東京.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,7 @@ def test_rollback_leaves_every_cache_equal_to_a_fresh_prefill(safe_pair):
         view.sync(last["text"].decode("utf-8"))
         m = view.member
         fresh = m.prefill(view.state.ids)
-        assert view.state.ids[view.prompt_len:] == m.encode(last["text"].decode("utf-8"))
+        assert view.state.ids[view.prompt_len :] == m.encode(last["text"].decode("utf-8"))
         for a, b in zip(view.state.cache.layers, fresh.cache.layers):
             assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
 

@@ -1,6 +1,6 @@
 import torch
 
-from ensemble_llm.methods.sampling import pick_token
+from ensemble_llm.members.rows import pick_token
 
 
 def test_greedy_is_argmax():

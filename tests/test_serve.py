@@ -15,17 +15,33 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 KEY = "test-key"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"]}}}
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs):
-    from conftest import start_server
+    from helpers import start_server
 
     proc, base = start_server([tiny_dirs["smol"], tiny_dirs["gemma"]], "safe", api_key=KEY, max_queue=4)
     yield base
@@ -48,16 +64,24 @@ def test_models_health_and_metrics(server, client):
 
 
 def test_chat_sync_stream_and_usage(client):
-    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hi."}],
-                                         max_tokens=6, seed=1)
+    res = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, seed=1
+    )
     choice = res.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length") and res.usage.completion_tokens <= 6
     extra = res.model_extra["ensemble"]
     assert extra["method"] == "safe" and "members" in extra["stats"]
-    chunks = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hi."}],
-                                                 max_tokens=6, seed=1, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="x",
+            messages=[{"role": "user", "content": "Say hi."}],
+            max_tokens=6,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content  # greedy: the same reply streamed
     assert chunks[-1].usage.completion_tokens == res.usage.completion_tokens
@@ -66,38 +90,65 @@ def test_chat_sync_stream_and_usage(client):
 def test_chat_async(server):
     async def main():
         aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
-        outs = await asyncio.gather(*[aclient.chat.completions.create(
-            model="x", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4) for i in range(3)])
+        outs = await asyncio.gather(
+            *[
+                aclient.chat.completions.create(
+                    model="x", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4
+                )
+                for i in range(3)
+            ]
+        )
         return [o.choices[0].message.content for o in outs]
 
     assert len(asyncio.run(main())) == 3
 
 
 def test_forced_tool_call_and_history(client):
-    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                         tools=[WEATHER], tool_choice="required", max_tokens=60)
+    res = client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=60,
+    )
     choice = res.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, WEATHER["function"]["parameters"])
     # the call and its result go back as history
-    follow = client.chat.completions.create(model="x", max_tokens=4, tools=[WEATHER], messages=[
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+    follow = client.chat.completions.create(
+        model="x",
+        max_tokens=4,
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ],
+    )
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    streamed = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Weather?"}],
-                                                   tools=[WEATHER], tool_choice="required", max_tokens=60,
-                                                   stream=True))
+    streamed = list(
+        client.chat.completions.create(
+            model="x",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=60,
+            stream=True,
+        )
+    )
     deltas = [tc for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas and deltas[0].function.name == "get_weather"
 
 
 def test_response_format_json_schema(client):
-    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "A person, as JSON."}],
-                                         max_tokens=40, response_format={"type": "json_schema", "json_schema": {
-                                             "name": "person", "schema": PERSON}})
+    res = client.chat.completions.create(
+        model="x",
+        messages=[{"role": "user", "content": "A person, as JSON."}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    )
     jsonschema.validate(json.loads(res.choices[0].message.content), PERSON)
 
 
@@ -106,14 +157,17 @@ def test_completions_raw_prompt(client):
     assert isinstance(res.choices[0].text, str) and "\n" not in res.choices[0].text
 
 
-@pytest.mark.parametrize("kwargs, status, param", [
-    ({"temperature": -1}, 400, "temperature"),
-    ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"n": 2}, 400, "n"),
-    ({"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
-    ({"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, None),
-    ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None),
-])
+@pytest.mark.parametrize(
+    "kwargs, status, param",
+    [
+        ({"temperature": -1}, 400, "temperature"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
+        ({"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, None),
+        ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None),
+    ],
+)
 def test_bad_requests_are_400_naming_the_field(client, kwargs, status, param):
     body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
@@ -130,9 +184,16 @@ def test_auth_and_timeout_status_codes(server, client):
     bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    r = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}],
-                         "max_tokens": 400, "timeout": 0.05})
+    r = httpx.post(
+        server + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={
+            "model": "x",
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 400,
+            "timeout": 0.05,
+        },
+    )
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
 
 
@@ -140,8 +201,12 @@ def test_queue_limit_gives_429_not_a_hang(server):
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
             body = {"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 60}
-            rs = await asyncio.gather(*[c.post(server + "/v1/chat/completions", json=body,
-                                               headers={"Authorization": f"Bearer {KEY}"}) for _ in range(10)])
+            rs = await asyncio.gather(
+                *[
+                    c.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+                    for _ in range(10)
+                ]
+            )
             return [r.status_code for r in rs]
 
     codes = asyncio.run(main())
@@ -150,9 +215,17 @@ def test_queue_limit_gives_429_not_a_hang(server):
 
 def test_disconnected_stream_stops_its_request(server, client):
     with httpx.Client(timeout=30) as c:
-        with c.stream("POST", server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}],
-                            "max_tokens": 2000, "stream": True}) as r:
+        with c.stream(
+            "POST",
+            server + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={
+                "model": "x",
+                "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": 2000,
+                "stream": True,
+            },
+        ) as r:
             for _ in r.iter_lines():
                 break  # one event, then the client goes away
     t = time.perf_counter()
@@ -165,7 +238,6 @@ def test_disconnected_stream_stops_its_request(server, client):
 def test_langchain_client_mode(server):
     from langchain_core.messages import HumanMessage
     from langchain_core.tools import tool
-
     from langchain_ensemble_llm import EnsembleLLM
 
     @tool
@@ -182,7 +254,11 @@ def test_langchain_client_mode(server):
     assert "".join(c.content for c in chunks) == res.content and chunks[-1].usage_metadata is not None
     call = llm.bind_tools([get_weather], tool_choice="get_weather", max_tokens=60).invoke("Weather in Oslo?")
     assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
-    out = EnsembleLLM(base_url=server + "/v1", api_key=KEY, max_tokens=40).with_structured_output(PERSON).invoke("A person.")
+    out = (
+        EnsembleLLM(base_url=server + "/v1", api_key=KEY, max_tokens=40)
+        .with_structured_output(PERSON)
+        .invoke("A person.")
+    )
     jsonschema.validate(out, PERSON)
     with pytest.raises(Exception, match="API key|401"):
         EnsembleLLM(base_url=server + "/v1", api_key="wrong", max_tokens=2).invoke("hi")
@@ -191,9 +267,8 @@ def test_langchain_client_mode(server):
 def test_llamaindex_client_mode(server):
     from llama_index.core.base.llms.types import ChatMessage
     from llama_index.core.prompts import PromptTemplate
-    from pydantic import BaseModel, Field
-
     from llama_index.llms.ensemble_llm import EnsembleLLM
+    from pydantic import BaseModel, Field
 
     llm = EnsembleLLM(base_url=server + "/v1", api_key=KEY, max_new_tokens=8)
     assert llm.metadata.context_window == 2048
@@ -206,7 +281,9 @@ def test_llamaindex_client_mode(server):
         name: str = Field(max_length=6)
         age: int = Field(ge=0, le=120)
 
-    out = llm.structured_predict(Person, PromptTemplate("Describe {who}."), who="Ada", llm_kwargs={"max_new_tokens": 40})
+    out = llm.structured_predict(
+        Person, PromptTemplate("Describe {who}."), who="Ada", llm_kwargs={"max_new_tokens": 40}
+    )
     assert isinstance(out, Person)
 
 
@@ -220,8 +297,9 @@ def test_langchain_openai_chatopenai(server):
         """Weather in a city."""
         return "sunny"
 
-    llm = langchain_openai.ChatOpenAI(base_url=server + "/v1", api_key=KEY, model="ensemble", max_tokens=8,
-                                      max_retries=0)
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server + "/v1", api_key=KEY, model="ensemble", max_tokens=8, max_retries=0
+    )
     res = llm.invoke("Say hi.")
     assert isinstance(res.content, str) and res.usage_metadata["output_tokens"] <= 8
     assert "".join(c.content for c in llm.stream("Say hi.")) == res.content
@@ -238,8 +316,9 @@ def test_llamaindex_openailike_in_a_rag_query(server):
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     except ImportError:
         pytest.skip("needs the llama-index examples extra (MiniLM embeddings)")
-    llm = openai_like.OpenAILike(api_base=server + "/v1", api_key=KEY, model="ensemble", is_chat_model=True,
-                                 max_tokens=12, context_window=2048)
+    llm = openai_like.OpenAILike(
+        api_base=server + "/v1", api_key=KEY, model="ensemble", is_chat_model=True, max_tokens=12, context_window=2048
+    )
     docs = [Document(text="Mount Everest is 8,849 metres tall."), Document(text="The Nile is a long river.")]
     index = VectorStoreIndex.from_documents(docs, embed_model=HuggingFaceEmbedding(model_name=str(get_model_path())))
     answer = index.as_query_engine(llm=llm, similarity_top_k=1).query("How tall is Mount Everest?")
@@ -250,7 +329,7 @@ def test_load_64_streaming_clients_health_stays_fast(tiny_dirs):
     """64 concurrent streaming clients with short outputs: every one completes with the text a
     lone request gets, /health answers within 100 ms at p99 meanwhile, and the queue limit gives
     429s rather than hangs."""
-    from conftest import start_server
+    from helpers import start_server
 
     proc, base = start_server([tiny_dirs["smol"], tiny_dirs["gemma"]], "safe", max_queue=256)
     try:

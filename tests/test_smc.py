@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ensemble_llm import ConfigError, Ensemble, RequestError, RequestTimeout, SmcConfig
-from ensemble_llm.methods.bytelm import EOS, Beam, ByteLM, Hyp, byte_trie
+from ensemble_llm.members.bytelm import EOS, Beam, ByteLM, Hyp, byte_trie
+from ensemble_llm.members.rows import Ready
 from ensemble_llm.methods.smc import beam_search, f_ensemble, smc_sample
 
 
@@ -51,9 +52,9 @@ def brute_prefix_logprob(m, prompt: list[int], x: bytes) -> float:
         lp = dist(ctx)
         node = trie.node(x[j:])
         if node is not None:
-            terms.append(logp + torch.logsumexp(lp[trie.order[node.lo:node.hi]], 0).item())
+            terms.append(logp + torch.logsumexp(lp[trie.order[node.lo : node.hi]], 0).item())
         for n in range(1, len(x) - j):
-            part = trie.node(x[j:j + n])
+            part = trie.node(x[j : j + n])
             if part is None:
                 break
             for pos in range(part.lo, part.end):
@@ -85,8 +86,11 @@ def test_trie_keeps_specials_atomic_and_maps_both_vocabularies(tiny_members):
         trie = byte_trie(m)
         assert set(trie.ids).isdisjoint(m.special_ids | m.eos_ids)  # never spelled byte by byte
         # text can always be written: printable ASCII, newline, tab and every UTF-8 byte (SmolLM2's
-        # byte-level vocabulary lacks a few bytes: some control codes, 0xC0-0xC1 and 0xF1-0xFF, which text rarely or never uses)
-        assert all(trie.node(bytes([b])) is not None for b in [9, 10, *range(32, 127), *range(0x80, 0xC0), *range(0xC2, 0xF1)])
+        # byte-level vocabulary lacks a few bytes: some control codes, 0xC0-0xC1 and 0xF1-0xFF,
+        # which text rarely or never uses)
+        assert all(
+            trie.node(bytes([b])) is not None for b in [9, 10, *range(32, 127), *range(0x80, 0xC0), *range(0xC2, 0xF1)]
+        )
         space_the = m.encode(" the")
         assert len(space_the) == 1 and trie.keys[trie.ids.index(space_the[0])] == b" the"  # Ġ / ▁ -> space
 
@@ -124,7 +128,7 @@ def test_power_means_against_their_definitions():
     a = np.array([0.2, 0.3, 0.5])
     lp = np.log(p)
     for tau in (-2.0, -1.0, -0.5, 0.5, 1.0, 1.5, 3.0):
-        assert np.allclose(f_ensemble(lp, tau, a), np.log((a[:, None] * p ** tau).sum(0) ** (1 / tau)))
+        assert np.allclose(f_ensemble(lp, tau, a), np.log((a[:, None] * p**tau).sum(0) ** (1 / tau)))
     assert np.allclose(f_ensemble(lp, 0.0, a), (a[:, None] * lp).sum(0))
     assert np.allclose(f_ensemble(lp, math.inf, a), lp.max(0)) and np.allclose(f_ensemble(lp, -math.inf, a), lp.min(0))
     assert np.allclose(f_ensemble(lp, 1e-4, a), f_ensemble(lp, 0.0, a), atol=1e-3)  # tau -> 0 is the product
@@ -138,11 +142,18 @@ def test_power_means_against_their_definitions():
 
 
 def test_config_errors():
-    for kw, msg in (({"f": "avg"}, "SmcConfig.f"), ({"f": "power"}, "tau"), ({"tau": 0.5}, "f='power'"),
-                    ({"n_particles": 0}, "n_particles"), ({"ess_threshold": 2}, "ess_threshold"),
-                    ({"beam_width": 0}, "beam_width"), ({"weights": [1, -1]}, "weights"),
-                    ({"max_bytes": 0}, "max_bytes"), ({"ess_threshold": "high"}, "must be a number"),
-                    ({"weights": [1, float("inf")]}, "finite")):
+    for kw, msg in (
+        ({"f": "avg"}, "SmcConfig.f"),
+        ({"f": "power"}, "tau"),
+        ({"tau": 0.5}, "f='power'"),
+        ({"n_particles": 0}, "n_particles"),
+        ({"ess_threshold": 2}, "ess_threshold"),
+        ({"beam_width": 0}, "beam_width"),
+        ({"weights": [1, -1]}, "weights"),
+        ({"max_bytes": 0}, "max_bytes"),
+        ({"ess_threshold": "high"}, "must be a number"),
+        ({"weights": [1, float("inf")]}, "finite"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             SmcConfig(**kw)
     assert SmcConfig(f="power", tau=-2).power == -2 and SmcConfig(f="min").power == -math.inf
@@ -167,6 +178,9 @@ class TableLM:
 
     def next_logprobs(self, states):
         return np.stack([self.logq(s) for s in states])
+
+    def next_logprobs_async(self, states):  # the byte-LM interface's form for answers from an actor
+        return Ready(self.next_logprobs(states))
 
     def advance(self, state, b):
         return state + bytes([b])
@@ -193,8 +207,9 @@ def test_smc_converges_to_the_exact_f_ensemble(tau):
     exact, log_z = exact_target(lms, tau, np.array(a) / sum(a))
     gen = torch.Generator().manual_seed(0)
     run = None
-    for run in smc_sample(lms, [b""] * 3, tau=tau, weights=a, n_particles=4000, ess_threshold=0.5,
-                          generator=gen, finished=lambda p: None):
+    for run in smc_sample(  # noqa: B007 (the last run is read after the loop)
+        lms, [b""] * 3, tau=tau, weights=a, n_particles=4000, ess_threshold=0.5, generator=gen, finished=lambda p: None
+    ):
         pass
     est = run.posterior()
     tv = 0.5 * sum(abs(est.get(x, 0.0) - p) for x, p in exact.items())
@@ -212,7 +227,7 @@ def test_beam_search_finds_the_exact_mode_of_the_f_ensemble(tau):
         logp = [[sum(lm.logq(x[:i])[x[i]] for i in range(len(x))) + lm.logq(x)[EOS] for x in strings] for lm in lms]
         psi = f_ensemble(np.array(logp), tau, a)
         run = None
-        for run in beam_search(lms, [b""] * 3, tau=tau, weights=a, width=16, finished=lambda p: None):
+        for run in beam_search(lms, [b""] * 3, tau=tau, weights=a, width=16, finished=lambda p: None):  # noqa: B007 (the last run is read after the loop)
             pass
         best = run.best()
         assert best.text == strings[int(np.argmax(psi))]
@@ -222,8 +237,16 @@ def test_beam_search_finds_the_exact_mode_of_the_f_ensemble(tau):
 def _weights_trace(lms, starts, tau, steps=12):
     gen = torch.Generator().manual_seed(1)
     trace = []
-    for run in smc_sample(lms, starts, tau=tau, weights=[1, 1], n_particles=4, ess_threshold=0.0,
-                          generator=gen, finished=lambda p: "length" if len(p.text) >= steps else None):
+    for run in smc_sample(
+        lms,
+        starts,
+        tau=tau,
+        weights=[1, 1],
+        n_particles=4,
+        ess_threshold=0.0,
+        generator=gen,
+        finished=lambda p: "length" if len(p.text) >= steps else None,
+    ):
         trace.append([p.logw for p in run.particles])
     return np.array(trace)
 
@@ -244,8 +267,11 @@ def test_incremental_weights_mixture_one_product_at_most_one(tiny_members):
 # ---- end to end --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_dirs):
-    return Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc",
-                    config={"n_particles": 4, "return_particles": True, "greedy": "sample"})
+    return Ensemble(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]],
+        method="smc",
+        config={"n_particles": 4, "return_particles": True, "greedy": "sample"},
+    )
 
 
 def test_end_to_end_stats_stream_and_seed(engine):

@@ -53,9 +53,7 @@ def test_cut_draft():
 
 def test_hedge_by_hand():
     # 3 members, each drafted one candidate (owner i = candidate i)
-    s = torch.tensor([[0.5, 0.3, 0.2],
-                      [0.2, 0.5, 0.3],
-                      [0.6, 0.1, 0.3]], dtype=torch.float64)
+    s = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.6, 0.1, 0.3]], dtype=torch.float64)
     r = hedge_rewards(s, [0, 1, 2])
     # candidate 0: verifiers 1, 2; vs candidates 1, 2: v1: 0.2>=0.5 no, 0.2>=0.3 no; v2: 0.6>=0.1, 0.6>=0.3 -> 2/4
     # candidate 1: verifiers 0, 2: v0: 0.3>=0.5 no, 0.3>=0.2 yes; v2: 0.1>=0.6 no, 0.1>=0.3 no -> 1/4
@@ -79,9 +77,13 @@ def test_normalise():
 
 
 def test_config_errors():
-    for kw, msg in (({"segment_len": 0}, "segment_len"), ({"score": "prob"}, "score"),
-                    ({"hedge_lr": 0}, "hedge_lr"), ({"exit_threshold": 1.5}, "exit_threshold"),
-                    ({"weights": [-1, 2]}, "weights")):
+    for kw, msg in (
+        ({"segment_len": 0}, "segment_len"),
+        ({"score": "prob"}, "score"),
+        ({"hedge_lr": 0}, "hedge_lr"),
+        ({"exit_threshold": 1.5}, "exit_threshold"),
+        ({"weights": [-1, 2]}, "weights"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             SpecFuseConfig(**kw)
 
@@ -112,14 +114,20 @@ def test_sampling_is_seeded(engine):
 
 
 def test_model_exit(tiny_dirs):
-    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="specfuse",
-                   config=SpecFuseConfig(segment_len=4, hedge=False, weights=[0.3, 0.7], exit_threshold=0.4))
+    eng = Ensemble(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]],
+        method="specfuse",
+        config=SpecFuseConfig(segment_len=4, hedge=False, weights=[0.3, 0.7], exit_threshold=0.4),
+    )
     res = eng.generate("Tell me a story.", max_new_tokens=24)
     st = res.stats
     assert st["active"][eng.members[0].name] is False and st["active"][eng.members[1].name] is True
     assert st["drafts_saved"] == st["rounds"] - 1  # member 0 drafted in the first round only
-    keep = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="specfuse",
-                    config=SpecFuseConfig(segment_len=4, hedge=False, weights=[0.3, 0.7]))
+    keep = Ensemble(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]],
+        method="specfuse",
+        config=SpecFuseConfig(segment_len=4, hedge=False, weights=[0.3, 0.7]),
+    )
     assert keep.generate("Tell me a story.", max_new_tokens=24).stats["drafts_saved"] == 0
 
 

@@ -5,5 +5,16 @@ from .member import KVState, Member
 from .protocol import TokenLM
 from .registry import BUNDLED, DEFAULT_MODELS
 
-__all__ = ["BUNDLED", "DEFAULT_MODELS", "KVState", "Member", "Source", "TokenLM", "clear_cache", "load_member",
-           "resolve_device", "resolve_dtype", "resolve_source"]
+__all__ = [
+    "BUNDLED",
+    "DEFAULT_MODELS",
+    "KVState",
+    "Member",
+    "Source",
+    "TokenLM",
+    "clear_cache",
+    "load_member",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_source",
+]

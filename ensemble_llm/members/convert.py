@@ -57,8 +57,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
         raise ModelNotFoundError(f"GGUF file {gguf_path} does not exist; pass the path of an existing .gguf file.")
     earlier = failed_verdict(gguf_path, out_dir)
     if earlier is not None:
-        raise ModelNotFoundError(f"{earlier} (remembered from an earlier attempt on this unchanged file; replace "
-                                 "the file to try again)")
+        raise ModelNotFoundError(
+            f"{earlier} (remembered from an earlier attempt on this unchanged file; replace the file to try again)"
+        )
     from filelock import FileLock
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -66,15 +67,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
         if is_converted(out_dir):  # another process finished it while we waited
             return out_dir
         t0 = time.perf_counter()
-        print(f"[ensemble-llm] converting {gguf_path.name} once into {out_dir} (this takes up to two minutes)…",
-              flush=True)
+        print(
+            f"[ensemble-llm] converting {gguf_path.name} once into {out_dir} (this takes up to two minutes)…",
+            flush=True,
+        )
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
-            message = (f"transformers could not read {gguf_path} ({type(exc).__name__}: {exc}). The file may be "
-                       f"truncated or of an architecture transformers cannot load from GGUF; re-download it.")
+            message = (
+                f"transformers could not read {gguf_path} ({type(exc).__name__}: {exc}). The file may be "
+                f"truncated or of an architecture transformers cannot load from GGUF; re-download it."
+            )
             verdict = out_dir.parent / f".{out_dir.name}.failed.json"
             verdict.write_text(json.dumps({"key": _verdict_key(gguf_path), "error": message}))
             raise ModelNotFoundError(message) from exc
@@ -84,7 +90,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
             if bad:
                 raise ModelNotFoundError(
                     f"{gguf_path.name} kept {len(bad)} quantized tensors after loading (e.g. {bad[0]}); "
-                    "uninstall the `kernels` package so transformers dequantizes GGUF weights, then retry.")
+                    "uninstall the `kernels` package so transformers dequantizes GGUF weights, then retry."
+                )
             quantizer.remove_quantization_config(model)
         tmp = out_dir.with_name(out_dir.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -95,6 +102,35 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
         print(f"[ensemble-llm] converted in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out_dir
+
+
+def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
+    """Only the tokenizer of a GGUF file, saved as a transformers tokenizer folder (seconds, where
+    converting the weights takes up to two minutes): what tokenizer-level work needs (the tests'
+    tiny random-weight models use the real tokenizers)."""
+    from filelock import FileLock
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir)
+    if (out_dir / MARKER).is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out_dir.parent / f".{out_dir.name}.lock"):
+        if (out_dir / MARKER).is_file():
+            return out_dir
+        tmp = out_dir.with_name(out_dir.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the fix
+            raise ModelNotFoundError(
+                f"transformers could not read the tokenizer of {gguf_path} ({type(exc).__name__}: {exc}); "
+                "re-download the file."
+            ) from exc
+        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf_path), "tokenizer_only": True}, indent=2))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
     return out_dir
 
 

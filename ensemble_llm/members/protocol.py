@@ -1,12 +1,12 @@
 """`TokenLM`: the whole of what an ensembling method may ask of a member.
 
-`Member` (member.py, the transformers backend, in this process) and `RayMember` (remote.py, the
+`Member` (member.py, the transformers backend, in this process) and `RayMember` (ensemble_llm/ray/, the
 model in a Ray actor) implement it. Methods only call what is listed here; they never set
 attributes on a member and only read a state's `ids` and `next_logprobs` (a member's cache is
 changed through `extend`, `crop`, `scratch`, `score_inline`/`keep_candidate`). A row of log-probs
 (`next_logprobs`, a row of what `extend` returns) is a tensor for a member here and a handle for a
 member in an actor: methods ask rows for small answers through `members.rows` (top-k, values
-at ids, argmax) and `sampling.pick_token`, never index them directly, so vocabulary-sized work
+at ids, argmax) and `rows.pick_token`, never index them directly, so vocabulary-sized work
 stays where the model is.
 """
 
@@ -26,6 +26,8 @@ class TokenLM(Protocol):
     context_window: int
     vocab_size: int
     eos_ids: frozenset[int]
+    eos_id: int | None  # the one EOS id a method writes
+    remote: bool  # the model runs in a Ray actor: its forwards run apart from this process
     n_params: int
     vocab: Any  # members.vocab.Vocab: token index, byte trie, llguidance tokenizer (built once, owned here)
 
@@ -58,11 +60,13 @@ class TokenLM(Protocol):
     # ---- batched and in-line forwards ----------------------------------------------------------
     def kv_tensor(self, state: Any) -> torch.Tensor: ...
 
-    def forward_rows(self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]],
-                     tokens: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
+    def forward_rows(
+        self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
 
-    def score_inline(self, state: Any, candidates: Sequence[Sequence[int]], raw_logits: bool = False,
-                     keep: bool = False) -> list[torch.Tensor]: ...
+    def score_inline(
+        self, state: Any, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
+    ) -> list[torch.Tensor]: ...
 
     def keep_candidate(self, state: Any, index: int) -> None: ...
 
@@ -71,6 +75,8 @@ class TokenLM(Protocol):
     def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]: ...
 
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float: ...
+
+    def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False) -> Any: ...
 
     # ---- accounting ------------------------------------------------------------------------------
     def counters(self) -> tuple[int, float, int, int, int]: ...

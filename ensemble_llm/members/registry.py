@@ -110,7 +110,9 @@ BUNDLED: dict[str, BundledModel] = {
                 )
                 for i, sha in enumerate(_QWEN_PARTS)
             ),
-            description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 arch, 151k BPE, chat template with tools); optional, 1.1 GB",
+            description=(
+                "Qwen2.5-Coder-1.5B-Instruct (Qwen2 arch, 151k BPE, chat template with tools); optional, 1.1 GB"
+            ),
         ),
     )
 }

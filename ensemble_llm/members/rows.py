@@ -1,7 +1,7 @@
 """What the methods ask of a row of next-token log-probs, wherever the row lives.
 
 A row is a `torch.Tensor` [V] for a member in this process, or a `RemoteRow` handle for a member
-in a Ray actor (remote.py), whose answers come back small: the top n, the values at some ids,
+in a Ray actor (ensemble_llm/ray/), whose answers come back small: the top n, the values at some ids,
 the argmax. The `*_async` forms return something with `.get()`: for remote rows the question is
 sent at once, so asking every member's row before reading any answer lets their actors work
 (and their forwards finish) in parallel.
@@ -63,3 +63,24 @@ def top(row, n: int) -> tuple[list[float], list[int]]:
 def as_tensor(row) -> torch.Tensor:
     """The whole row here (fetched from the actor for a remote one: vocabulary-sized, counted)."""
     return row if is_local(row) else row.fetch()
+
+
+def pick_token(
+    logprobs: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> int:
+    """argmax when temperature == 0, else a sample from softmax(logprobs / T) cut to top_p mass.
+    A remote row (a member in a Ray actor) picks on its actor, with a seed drawn from `generator`."""
+    if not isinstance(logprobs, torch.Tensor):
+        return logprobs.pick(temperature, top_p, generator)
+    if temperature <= 0.0:
+        return int(torch.argmax(logprobs))
+    logits = logprobs.float() / temperature
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        keep = cum - sorted_p < top_p  # smallest prefix reaching top_p (always keeps the first)
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        idx = torch.multinomial(sorted_p.cpu(), 1, generator=generator)
+        return int(order[idx.to(order.device)])
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -19,5 +19,19 @@ def get_method(name: str) -> type[Method]:
     return METHODS[name]
 
 
-__all__ = ["METHODS", "Method", "Request", "Safe", "SafeConfig", "Single", "SingleConfig", "Smc", "SmcConfig", "SpecFuse", "SpecFuseConfig", "Unite", "UniteConfig",
-           "get_method"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "Request",
+    "Safe",
+    "SafeConfig",
+    "Single",
+    "SingleConfig",
+    "Smc",
+    "SmcConfig",
+    "SpecFuse",
+    "SpecFuseConfig",
+    "Unite",
+    "UniteConfig",
+    "get_method",
+]

@@ -15,111 +15,8 @@ from typing import Sequence
 import torch
 
 from ..members import KVState, Member
-from ..members.rows import take, take_async, top_async
-
-EOS = None  # the union key of end-of-sequence (every member's EOS ids)
-Key = bytes | None
-
-
-class VocabIndex:
-    """bytes -> token id of one member (non-special tokens; the lowest id wins on duplicates)."""
-
-    def __init__(self, member: Member) -> None:
-        self.member = member
-        self.by_bytes: dict[bytes, int] = {}
-        special = member.special_ids
-        dups: dict[bytes, list[int]] = {}
-        for i, b in enumerate(member.vocab_bytes):
-            if b and i not in special:
-                if b in self.by_bytes:
-                    dups.setdefault(b, [self.by_bytes[b]]).append(i)
-                else:
-                    self.by_bytes[b] = i
-        # Several ids can spell the same bytes (Gemma's "." and its byte-fallback <0x2E>): keep the
-        # one the tokenizer itself produces, the one the model actually puts its mass on.
-        for b, ids in dups.items():
-            try:
-                canon = member.encode(b.decode("utf-8"))
-            except UnicodeDecodeError:
-                continue
-            if len(canon) == 1 and canon[0] in ids:
-                self.by_bytes[b] = canon[0]
-        self.eos = sorted(member.eos_ids)
-        self.max_len = max((len(b) for b in self.by_bytes), default=1)
-
-    def key_of(self, tok: int) -> Key:
-        return EOS if tok in self.member.eos_ids else self.member.vocab_bytes[tok]
-
-    def first_subtoken(self, key: bytes) -> int | None:
-        """The member's id for `key`, else the first token of its tokenization of `key`."""
-        if key in self.by_bytes:
-            return self.by_bytes[key]
-        try:
-            ids = self.member.encode(key.decode("utf-8"))
-            if ids:
-                return ids[0]
-        except UnicodeDecodeError:
-            pass
-        for n in range(min(len(key), self.max_len), 0, -1):  # a byte fragment: longest known prefix
-            if key[:n] in self.by_bytes:
-                return self.by_bytes[key[:n]]
-        return None
-
-    def ids_for(self, key: bytes) -> list[int]:
-        """Token ids that spell `key` for this member: its own token when it has one, else its
-        tokenization, else (a byte fragment) a greedy longest-match over its tokens' bytes."""
-        if key in self.by_bytes:
-            return [self.by_bytes[key]]
-        try:
-            return self.member.encode(key.decode("utf-8"))
-        except UnicodeDecodeError:
-            pass
-        ids, i = [], 0
-        while i < len(key):
-            for n in range(min(len(key) - i, self.max_len), 0, -1):
-                if key[i : i + n] in self.by_bytes:
-                    ids.append(self.by_bytes[key[i : i + n]])
-                    i += n
-                    break
-            else:
-                raise ValueError(f"{self.member.name} cannot spell the bytes {key!r}")
-        return ids
-
-    def logprob(self, row, key: Key) -> float:
-        return self.logprobs(row, [key])[0]
-
-    def key_ids(self, keys: Sequence[Key]) -> tuple[list[int], list[tuple[int, int]]]:
-        """The token ids to read for each key (all EOS ids for EOS, none for a key the member cannot
-        start), flat, with each key's span in the flat list (see `key_logprobs`)."""
-        ids, spans = [], []
-        for key in keys:
-            if key is EOS:
-                sel = self.eos
-            else:
-                tok = self.first_subtoken(key)
-                sel = [tok] if tok is not None else []
-            spans.append((len(ids), len(ids) + len(sel)))
-            ids += sel
-        return ids, spans
-
-    @staticmethod
-    def key_logprobs(keys: Sequence[Key], values: list[float], spans) -> list[float]:
-        """log p(key) for each key from the row's `values` at `key_ids`' ids."""
-        out = []
-        for key, (a, b) in zip(keys, spans):
-            if a == b:
-                out.append(float("-inf"))
-            elif key is EOS:  # every EOS id of the member: their total probability
-                out.append(float(torch.logsumexp(torch.tensor(values[a:b]), 0)))
-            else:
-                out.append(values[a])
-        return out
-
-    def logprobs(self, row, keys: Sequence[Key]) -> list[float]:
-        """log p(key) for each key from one row: its token's (or first sub-token's) log-prob, the
-        EOS ids' total for EOS, -inf for a key the member cannot start; one question to the row."""
-        ids, spans = self.key_ids(keys)
-        return self.key_logprobs(keys, take(row, ids), spans)
+from ..members.rows import take_async, top_async
+from ..members.vocab import EOS, Key, VocabIndex, valid_utf8_prefix  # noqa: F401  (the methods' names)
 
 
 def vocab_index(member: Member) -> VocabIndex:
@@ -155,8 +52,9 @@ class UnionDist:
         return self.keys.index(key)
 
 
-def union_distribution(members: Sequence[Member], rows: Sequence[torch.Tensor], weights: Sequence[float],
-                       k: int) -> UnionDist:
+def union_distribution(
+    members: Sequence[Member], rows: Sequence[torch.Tensor], weights: Sequence[float], k: int
+) -> UnionDist:
     """UniTE: union of every member's top-k keys; each member's logits on the union (a key it
     lacks gets its first sub-token's logit), softmax per member, weighted average."""
     keys: list[Key] = []
@@ -177,8 +75,9 @@ def union_distribution(members: Sequence[Member], rows: Sequence[torch.Tensor], 
     return UnionDist(keys, probs, per_member)
 
 
-def sharpen(dist: UnionDist, drafter_keys: Sequence[Key], mode: str | None, lam: float,
-            weights: Sequence[float]) -> torch.Tensor:
+def sharpen(
+    dist: UnionDist, drafter_keys: Sequence[Key], mode: str | None, lam: float, weights: Sequence[float]
+) -> torch.Tensor:
     """SAFE's probability sharpening, applied by the caller only when max(probs) < 0.5.
 
     heuristic: each drafter top-k key t with p(t) > lam gains the (pre-sharpening) mass of every
@@ -204,15 +103,6 @@ def sharpen(dist: UnionDist, drafter_keys: Sequence[Key], mode: str | None, lam:
     return out
 
 
-def valid_utf8_prefix(data: bytes) -> int:
-    """Length of the longest prefix of `data` that is complete, valid UTF-8."""
-    try:
-        data.decode("utf-8")
-        return len(data)
-    except UnicodeDecodeError as exc:
-        return exc.start
-
-
 @dataclass
 class CanonicalView:
     """A member whose KV cache holds prompt + its canonical tokenization of the generated text."""
@@ -226,7 +116,6 @@ class CanonicalView:
     @classmethod
     def start(cls, member: Member, prompt_ids: list[int]) -> "CanonicalView":
         return cls(member, len(prompt_ids), member.prefill(prompt_ids))
-
 
     def sync(self, text: str, from_byte: int = 0) -> None:
         """Re-tokenize `text` (the whole generated text), keep the cached common prefix, and run
@@ -254,8 +143,9 @@ class CanonicalView:
             self.next_tok[0 if i == 0 else ends[i - 1]] = tok
 
 
-def start_members(members: Sequence[Member], main: int, weights: Sequence[float] | None,
-                  prompt_ids: Sequence[list[int]]) -> tuple[list[Member], list[float], KVState, list["CanonicalView"]]:
+def start_members(
+    members: Sequence[Member], main: int, weights: Sequence[float] | None, prompt_ids: Sequence[list[int]]
+) -> tuple[list[Member], list[float], KVState, list["CanonicalView"]]:
     """Prefill every member for a request: the main member (drafter / primary) first, on its own
     token history; the others as canonical views. Returns the members and weights in that order."""
     order = [main] + [i for i in range(len(members)) if i != main]

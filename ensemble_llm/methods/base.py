@@ -16,7 +16,7 @@ How the planned methods fit:
   can touch is yielded.
 - specfuse: each member drafts a segment on its own KVState; `score_inline` scores all segments
   in one pass per member; the winner is yielded as soon as it is chosen.
-- smc: byte-level beams over each member's vocabulary trie (`bytelm.py`); `forward_rows` runs
+- smc: byte-level beams over each member's vocabulary trie (`members/bytelm.py`); `forward_rows` runs
   all particles' new token contexts in one batched forward per member; the prefix that all
   particles agree on is yielded.
 """
@@ -107,15 +107,16 @@ class Method(abc.ABC):
                 raise ConfigError(f"{cls.config_class.__name__} has no field(s) {unknown}; valid: {sorted(names)}")
             return cls.config_class(**config)
         if not isinstance(config, cls.config_class):
-            raise ConfigError(f"method {cls.name!r} needs a {cls.config_class.__name__} (or a dict), "
-                              f"got {type(config).__name__}")
+            raise ConfigError(
+                f"method {cls.name!r} needs a {cls.config_class.__name__} (or a dict), got {type(config).__name__}"
+            )
         return config
 
-    def check_members(self) -> None:
+    def check_members(self) -> None:  # noqa: B027 (an optional hook: most methods accept any members)
         """Raise ConfigError when the members do not suit this method. Only their number may be
         used: the engine calls it at construction with the unloaded sources, and again at load."""
 
-    @classmethod
+    @classmethod  # noqa: B027 (an optional hook: most methods accept any sampling settings)
     def check_request(cls, config: Any, *, temperature: float, top_p: float) -> None:
         """Raise RequestError for sampling settings this method cannot honour. The engine calls it
         before queueing a request, so it fails before any work."""

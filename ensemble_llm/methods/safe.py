@@ -28,10 +28,9 @@ from typing import Iterator
 import torch
 
 from ..errors import ConfigError
-from ..members.rows import query_async, take_async
-from .align import VocabIndex, EOS, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
+from ..members.rows import pick_token, query_async, take_async
+from .align import EOS, VocabIndex, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
-from .sampling import pick_token
 from .unite import Emitter, UniteStats, check_ensemble_members, check_main, check_weights
 
 SHARPEN_MODES = ("heuristic", "geometric", None)
@@ -62,8 +61,11 @@ class SafeConfig:
             raise ConfigError(f"SafeConfig.top_k must be an integer in [1, 1000], got {self.top_k!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"SafeConfig.adaptive must be True or False, got {self.adaptive!r}")
-        if isinstance(self.max_lookahead, bool) or not isinstance(self.max_lookahead, int) \
-                or not 1 <= self.max_lookahead <= 64:
+        if (
+            isinstance(self.max_lookahead, bool)
+            or not isinstance(self.max_lookahead, int)
+            or not 1 <= self.max_lookahead <= 64
+        ):
             raise ConfigError(f"SafeConfig.max_lookahead must be an integer in [1, 64], got {self.max_lookahead!r}")
         if not isinstance(self.consensus, (int, float)) or not 0 <= self.consensus <= 1:
             raise ConfigError(f"SafeConfig.consensus must be in [0, 1], got {self.consensus!r}")
@@ -89,8 +91,7 @@ class Safe(Method):
     stats_class = SafeStats
 
     def check_members(self) -> None:
-        check_ensemble_members(self.name, self.members, self.config.drafter, "SafeConfig.drafter",
-                               self.config.weights)
+        check_ensemble_members(self.name, self.members, self.config.drafter, "SafeConfig.drafter", self.config.weights)
 
     def main_member(self) -> int | None:
         return self.config.drafter
@@ -146,8 +147,13 @@ class Safe(Method):
                 row = dstate.next_logprobs
                 if guide:  # the drafter writes only what the grammar allows, and what leaves room to close
                     row = guide.mask_row(main, dstate.ids[plen:], row)
-                    tok = guide.pick(main, dstate.ids[plen:], row, budget - st.tokens_out - j,
-                                     lambda r: pick_token(r, req.temperature, req.top_p, req.generator))
+                    tok = guide.pick(
+                        main,
+                        dstate.ids[plen:],
+                        row,
+                        budget - st.tokens_out - j,
+                        lambda r: pick_token(r, req.temperature, req.top_p, req.generator),
+                    )
                     if tok is None:
                         must_close = True
                         break
@@ -189,7 +195,8 @@ class Safe(Method):
                 # one question per row (the verifiers' argmax and own-token values), all asked first
                 asks = [take_async(row, [tok])] + [
                     query_async(vrow, vocab_index(v.member).eos if key is EOS else [v.next_tok[b]])
-                    for v, vrow in zip(views, vrows)]
+                    for v, vrow in zip(views, vrows)
+                ]
                 agree, aligned, p_own = True, True, [math.exp(asks[0].get()[0])]
                 for v, ask in zip(views, asks[1:]):
                     best, vals = ask.get()
@@ -207,8 +214,14 @@ class Safe(Method):
                     st.skipped_consensus += 1
                     if trace is not None:  # with what UniTE would have picked here (Theorem 1: the same)
                         dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
-                        trace.append({"byte": b, "reason": "consensus", "key": key,
-                                      "unite_pick": dist.keys[int(torch.argmax(dist.probs))]})
+                        trace.append(
+                            {
+                                "byte": b,
+                                "reason": "consensus",
+                                "key": key,
+                                "unite_pick": dist.keys[int(torch.argmax(dist.probs))],
+                            }
+                        )
                     continue
                 st.tokens_ensembled += 1
                 dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
@@ -232,8 +245,11 @@ class Safe(Method):
                 text = full
             else:
                 j, choice = replaced
-                if guide and choice is not EOS and not guide.fits(main, full[: starts[j]] + choice,
-                                                                   budget - st.tokens_out - j - 1):
+                if (
+                    guide
+                    and choice is not EOS
+                    and not guide.fits(main, full[: starts[j]] + choice, budget - st.tokens_out - j - 1)
+                ):
                     choice, must_close = b"", True  # the completion would not fit after it: closed instead
                 st.replacements += 1
                 new = full[: starts[j]] + (b"" if choice is EOS else choice)

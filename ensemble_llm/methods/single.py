@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import ConfigError
+from ..members.rows import pick_token
 from .base import Method, Request, RunStats
-from .sampling import pick_token
 from .text import IncrementalDecoder
 
 
@@ -26,8 +26,9 @@ class Single(Method):
 
     def check_members(self) -> None:
         if self.config.member >= len(self.members):
-            raise ConfigError(f"SingleConfig.member={self.config.member} but the ensemble has "
-                              f"{len(self.members)} member(s)")
+            raise ConfigError(
+                f"SingleConfig.member={self.config.member} but the ensemble has {len(self.members)} member(s)"
+            )
 
     def main_member(self) -> int:
         return self.config.member
@@ -52,8 +53,9 @@ class Single(Method):
             else:
                 row = guide.mask_row(idx, ids, state.next_logprobs) if guide else state.next_logprobs
                 if guide:  # only a token after which the shortest completion still fits
-                    tok = guide.pick(idx, ids, row, left, lambda r: pick_token(r, req.temperature, req.top_p,
-                                                                               req.generator))
+                    tok = guide.pick(
+                        idx, ids, row, left, lambda r: pick_token(r, req.temperature, req.top_p, req.generator)
+                    )
                     if tok is None:
                         new, closed = guide.closing_tokens(idx, ids, 0) or [], True
                 else:

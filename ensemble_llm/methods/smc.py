@@ -27,10 +27,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..constraints import CLOSE_MARGIN
 from ..errors import ConfigError, GenerationError, RequestError
+from ..guide import CLOSE_MARGIN
+from ..members.bytelm import EOS, make_byte_lm, next_logprobs_async
 from .base import Method, Request, RunStats
-from .bytelm import EOS, make_byte_lm, next_logprobs_async
 
 NEG_INF = -math.inf
 F_NAMES = {"product": 0.0, "mixture": 1.0, "harmonic": -1.0, "min": -math.inf, "max": math.inf}
@@ -60,8 +60,9 @@ class SmcConfig:
         elif self.f not in F_NAMES:
             raise ConfigError(f"SmcConfig.f must be one of {sorted(F_NAMES) + ['power']}, got {self.f!r}")
         elif self.tau is not None:
-            raise ConfigError(f"SmcConfig.tau is only used with f='power' (f={self.f!r} fixes it); "
-                              "set f='power' or drop tau")
+            raise ConfigError(
+                f"SmcConfig.tau is only used with f='power' (f={self.f!r} fixes it); set f='power' or drop tau"
+            )
         if not isinstance(self.n_particles, int) or self.n_particles < 1:
             raise ConfigError(f"SmcConfig.n_particles must be an integer >= 1, got {self.n_particles!r}")
         for name in ("ess_threshold", "prune_threshold"):
@@ -77,9 +78,18 @@ class SmcConfig:
             raise ConfigError(f"SmcConfig.greedy must be 'beam' or 'sample', got {self.greedy!r}")
         if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):
             raise ConfigError(f"SmcConfig.max_bytes must be None or an integer >= 1, got {self.max_bytes!r}")
-        if self.weights is not None and self.weights != "auto" and (not isinstance(self.weights, (list, tuple)) or not self.weights or any(
-                not isinstance(w, (int, float)) or not 0 < w < math.inf for w in self.weights)):
-            raise ConfigError(f"SmcConfig.weights must be positive finite numbers, one per member; got {self.weights!r}")
+        if (
+            self.weights is not None
+            and self.weights != "auto"
+            and (
+                not isinstance(self.weights, (list, tuple))
+                or not self.weights
+                or any(not isinstance(w, (int, float)) or not 0 < w < math.inf for w in self.weights)
+            )
+        ):
+            raise ConfigError(
+                f"SmcConfig.weights must be positive finite numbers, one per member; got {self.weights!r}"
+            )
 
     @property
     def power(self) -> float:
@@ -146,8 +156,13 @@ class SmcRun:
         return out
 
 
-def _extensions(lms: Sequence[Any], rows: Sequence[Particle], tau: float, w: np.ndarray,
-                allowed: Callable[[bytes], np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _extensions(
+    lms: Sequence[Any],
+    rows: Sequence[Particle],
+    tau: float,
+    w: np.ndarray,
+    allowed: Callable[[bytes], np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For every row x and slot b (256 bytes + EOS): log P_k(x) [n, K], log P_k(x b) [n, K, 257]
     and log psi(x b) [n, 257]; one batched next-byte call per member. With `allowed` (a grammar's
     next-byte mask after a text), psi(x b) is 0 for every byte the grammar forbids: the target is
@@ -165,10 +180,19 @@ def _extensions(lms: Sequence[Any], rows: Sequence[Particle], tau: float, w: np.
     return lp, joint, psi_next
 
 
-def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights: Sequence[float],
-               n_particles: int, ess_threshold: float, generator: torch.Generator | None,
-               finished: Callable[[Particle], str | None], run: SmcRun | None = None,
-               allowed: Callable[[bytes], np.ndarray] | None = None) -> Iterator[SmcRun]:
+def smc_sample(
+    lms: Sequence[Any],
+    starts: Sequence[Any],
+    *,
+    tau: float,
+    weights: Sequence[float],
+    n_particles: int,
+    ess_threshold: float,
+    generator: torch.Generator | None,
+    finished: Callable[[Particle], str | None],
+    run: SmcRun | None = None,
+    allowed: Callable[[bytes], np.ndarray] | None = None,
+) -> Iterator[SmcRun]:
     """SMC over byte LMs (objects with `next_logprobs(states) -> [n, 257]` log-probs and
     `advance(state, byte) -> state`). Yields the run after every byte step (after resampling);
     `finished(particle)` names why a particle stops after a byte (a stop string, the budget)."""
@@ -208,11 +232,12 @@ def smc_sample(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights
             p.states = [lm.advance(s, b) for lm, s in zip(lms, p.states)]
             p.done = finished(p)
         wn = run.normalised()
-        ess = float(1.0 / np.sum(wn ** 2))
+        ess = float(1.0 / np.sum(wn**2))
         run.ess.append(ess)
         if ess < ess_threshold * len(run.particles) and any(p.done is None for p in run.particles):
-            idx = torch.multinomial(torch.from_numpy(wn), len(run.particles), replacement=True,
-                                    generator=generator).tolist()
+            idx = torch.multinomial(
+                torch.from_numpy(wn), len(run.particles), replacement=True, generator=generator
+            ).tolist()
             mean = run.log_z  # the mean weight: resampling keeps the estimate of log Z
             run.particles = [run.particles[i].copy() for i in idx]
             for p in run.particles:
@@ -233,9 +258,16 @@ class BeamRun:
         return max(self.done, key=lambda p: p.logw, default=None)
 
 
-def beam_search(lms: Sequence[Any], starts: Sequence[Any], *, tau: float, weights: Sequence[float], width: int,
-                finished: Callable[[Particle], str | None],
-                allowed: Callable[[bytes], np.ndarray] | None = None) -> Iterator[BeamRun]:
+def beam_search(
+    lms: Sequence[Any],
+    starts: Sequence[Any],
+    *,
+    tau: float,
+    weights: Sequence[float],
+    width: int,
+    finished: Callable[[Particle], str | None],
+    allowed: Callable[[bytes], np.ndarray] | None = None,
+) -> Iterator[BeamRun]:
     """Deterministic search for the mode of pi_f: beam search over byte prefixes scored by
     log psi(x), `width` prefixes kept per byte step, each step one batched forward per member.
 
@@ -299,10 +331,13 @@ class SmcStats(RunStats):
     def summarize(cls, runs: list[RunStats]) -> dict[str, Any]:
         ess = [e for r in runs for e in (r.ess or [])]
         steps = sum((r.smc_steps or 0) + (r.beam_steps or 0) for r in runs)
-        return {"ess_mean": sum(ess) / len(ess) if ess else None,
-                "resamplings_per_step": sum(r.resamplings or 0 for r in runs) / max(1, steps),
-                "bytes_out": sum(r.bytes_out for r in runs), "byte_steps": steps,
-                "search": runs[0].search if runs else None}
+        return {
+            "ess_mean": sum(ess) / len(ess) if ess else None,
+            "resamplings_per_step": sum(r.resamplings or 0 for r in runs) / max(1, steps),
+            "bytes_out": sum(r.bytes_out for r in runs),
+            "byte_steps": steps,
+            "search": runs[0].search if runs else None,
+        }
 
 
 class Smc(Method):
@@ -315,17 +350,22 @@ class Smc(Method):
 
     def check_members(self) -> None:
         if len(self.members) < 2:
-            raise ConfigError(f"method 'smc' ensembles K >= 2 members, got {len(self.members)}; "
-                              "add a member or use method='single'")
+            raise ConfigError(
+                f"method 'smc' ensembles K >= 2 members, got {len(self.members)}; add a member or use method='single'"
+            )
         if isinstance(self.config.weights, (list, tuple)) and len(self.config.weights) != len(self.members):
-            raise ConfigError(f"SmcConfig.weights has {len(self.config.weights)} entries for "
-                              f"{len(self.members)} members; give one weight per member")
+            raise ConfigError(
+                f"SmcConfig.weights has {len(self.config.weights)} entries for "
+                f"{len(self.members)} members; give one weight per member"
+            )
 
     @classmethod
     def check_request(cls, config: Any, *, temperature: float, top_p: float) -> None:
         if top_p < 1.0:
-            raise RequestError("method 'smc' samples the f-ensemble of the full distributions; top_p "
-                               f"truncation is not supported (got top_p={top_p}); leave top_p at 1")
+            raise RequestError(
+                "method 'smc' samples the f-ensemble of the full distributions; top_p "
+                f"truncation is not supported (got top_p={top_p}); leave top_p at 1"
+            )
 
     def run(self, req: Request) -> Iterator[str]:
         cfg = self.config
@@ -335,8 +375,10 @@ class Smc(Method):
         temperature = req.temperature if req.temperature > 0 else 1.0
         generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
         search = req.temperature == 0 and cfg.greedy == "beam"
-        lms = [make_byte_lm(m, cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
-               for m in self.members]
+        lms = [
+            make_byte_lm(m, cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
+            for m in self.members
+        ]
         starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
         # the longest stop first: with overlapping stops the text is cut where the engine would cut it
         stops = sorted((s.encode("utf-8") for s in req.stop if s), key=len, reverse=True)
@@ -393,12 +435,21 @@ class Smc(Method):
         # a stop string can only be cut from the end of a particle's text: hold that many bytes back
         hold = max((len(s) for s in stops), default=1) - 1
         if search:
-            steps = beam_search(lms, starts, tau=cfg.power, weights=weights, width=cfg.n_particles, finished=finished,
-                                allowed=allowed)
+            steps = beam_search(
+                lms, starts, tau=cfg.power, weights=weights, width=cfg.n_particles, finished=finished, allowed=allowed
+            )
         else:
-            steps = smc_sample(lms, starts, tau=cfg.power, weights=weights, n_particles=cfg.n_particles,
-                               ess_threshold=cfg.ess_threshold, generator=generator, finished=finished,
-                               allowed=allowed)
+            steps = smc_sample(
+                lms,
+                starts,
+                tau=cfg.power,
+                weights=weights,
+                n_particles=cfg.n_particles,
+                ess_threshold=cfg.ess_threshold,
+                generator=generator,
+                finished=finished,
+                allowed=allowed,
+            )
         for run in steps:
             if search:  # final: a prefix of every live beam and of the best finished string
                 best = run.best()
@@ -423,16 +474,24 @@ class Smc(Method):
             if best is None and run.live:  # the budget ended every beam without a finished string
                 best = max(run.live, key=lambda p: p.logw)
             if best is None:  # every beam reached psi = 0 (only possible under a grammar)
-                raise GenerationError("every smc beam reached a text the members give probability 0 under the "
-                                      "grammar; raise SmcConfig.beam_width or prune_threshold=0.")
+                raise GenerationError(
+                    "every smc beam reached a text the members give probability 0 under the "
+                    "grammar; raise SmcConfig.beam_width or prune_threshold=0."
+                )
             stats = {"beam_steps": run.steps, "finished_candidates": len(run.done), "best_log_psi": best.logw}
         else:
             # only particles that start with what was streamed can be the answer (a particle that
             # died before the others agreed may not)
             best = self._pick(run, sent_bytes)
             post = run.posterior()
-            stats = {"smc_steps": run.steps, "resamplings": run.resamplings, "ess": [round(e, 3) for e in run.ess],
-                     "log_z": run.log_z, "distinct_texts": len(post), "best_weight": round(post[best.text], 4)}
+            stats = {
+                "smc_steps": run.steps,
+                "resamplings": run.resamplings,
+                "ess": [round(e, 3) for e in run.ess],
+                "log_z": run.log_z,
+                "distinct_texts": len(post),
+                "best_weight": round(post[best.text], 4),
+            }
         tail = decoder.decode(best.text[sent:], final=True)
         if not best.text.endswith("\ufffd".encode()):  # undecodable last bytes are dropped, never shown as U+FFFD
             tail = tail.rstrip("\ufffd")
@@ -442,18 +501,25 @@ class Smc(Method):
         if guide:
             guide.closed_early = best.text in closed and best.done != "stop"
         text = best.text.decode("utf-8", errors="replace")
-        req.stats = SmcStats(tokens_out=len(self.members[main].encode(text)) if text else 0, bytes_out=len(best.text),
-                             search="beam" if search else "smc", heals=sum(lm.heals for lm in lms),
-                             f=cfg.f if cfg.f != "power" else f"power({cfg.tau:g})", n_particles=cfg.n_particles,
-                             **stats)
+        req.stats = SmcStats(
+            tokens_out=len(self.members[main].encode(text)) if text else 0,
+            bytes_out=len(best.text),
+            search="beam" if search else "smc",
+            heals=sum(lm.heals for lm in lms),
+            f=cfg.f if cfg.f != "power" else f"power({cfg.tau:g})",
+            n_particles=cfg.n_particles,
+            **stats,
+        )
         if cfg.return_particles and not search:
             req.stats.particles = [
                 {"text": p.text.decode("utf-8", errors="replace"), "weight": float(w), "finish": p.done}
-                for p, w in zip(run.particles, run.normalised())]
+                for p, w in zip(run.particles, run.normalised())
+            ]
         elif cfg.return_particles:
             req.stats.particles = [
                 {"text": p.text.decode("utf-8", errors="replace"), "log_psi": p.logw, "finish": p.done}
-                for p in sorted(run.done, key=lambda p: -p.logw)]
+                for p in sorted(run.done, key=lambda p: -p.logw)
+            ]
 
     @staticmethod
     def _pick(run: SmcRun, prefix: bytes = b"") -> Particle:

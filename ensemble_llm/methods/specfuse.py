@@ -34,9 +34,9 @@ import torch
 
 from ..errors import ConfigError
 from ..members.member import current_guard, forward_guard
+from ..members.rows import pick_token
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
 from .base import Method, Request, RunStats
-from .sampling import pick_token
 from .unite import check_ensemble_members, check_weights
 
 SCORES = ("logprob", "logit")
@@ -56,11 +56,15 @@ class SpecFuseConfig:
             raise ConfigError(f"SpecFuseConfig.segment_len must be an integer >= 1, got {self.segment_len!r}")
         if self.score not in SCORES:
             raise ConfigError(f"SpecFuseConfig.score must be one of {SCORES}, got {self.score!r}")
-        if isinstance(self.hedge_lr, bool) or not isinstance(self.hedge_lr, (int, float)) \
-                or not 0 < self.hedge_lr < math.inf:
+        if (
+            isinstance(self.hedge_lr, bool)
+            or not isinstance(self.hedge_lr, (int, float))
+            or not 0 < self.hedge_lr < math.inf
+        ):
             raise ConfigError(f"SpecFuseConfig.hedge_lr must be a finite number > 0, got {self.hedge_lr!r}")
         if self.exit_threshold is not None and (
-                not isinstance(self.exit_threshold, (int, float)) or not 0 < self.exit_threshold < 1):
+            not isinstance(self.exit_threshold, (int, float)) or not 0 < self.exit_threshold < 1
+        ):
             raise ConfigError(f"SpecFuseConfig.exit_threshold must be in (0, 1) or None, got {self.exit_threshold!r}")
         check_weights(self.weights, None, "SpecFuseConfig")
 
@@ -145,8 +149,16 @@ class SpecFuse(Method):
         return None  # the strongest member counts the budget
 
     # ---- one member's draft --------------------------------------------------------------
-    def _draft(self, i: int, view: CanonicalView, n: int, req: Request, gen: torch.Generator | None,
-               text: bytes = b"", left: int | None = None) -> Draft:
+    def _draft(
+        self,
+        i: int,
+        view: CanonicalView,
+        n: int,
+        req: Request,
+        gen: torch.Generator | None,
+        text: bytes = b"",
+        left: int | None = None,
+    ) -> Draft:
         """Member i drafts up to n tokens after the shared `text`, ending early at its EOS or at a
         stop string (cut right after it: nothing past a stop is drafted or scored). Under a grammar
         with `left` tokens of budget, the draft also ends before a token after which the shortest
@@ -164,8 +176,13 @@ class SpecFuse(Method):
                 else:
                     row = guide.mask_row(i, state.ids[plen:], state.next_logprobs) if guide else state.next_logprobs
                     if guide and left is not None:
-                        tok = guide.pick(i, state.ids[plen:], row, left - done,
-                                         lambda r: pick_token(r, req.temperature, req.top_p, gen))
+                        tok = guide.pick(
+                            i,
+                            state.ids[plen:],
+                            row,
+                            left - done,
+                            lambda r: pick_token(r, req.temperature, req.top_p, gen),
+                        )
                         if tok is None:
                             break
                     else:
@@ -194,7 +211,7 @@ class SpecFuse(Method):
         """Member `view` scores every draft in one forward; the candidates' KV stays in its cache
         so the winner's can be kept (see `_advance`). Returns the scores and the token ids."""
         m = view.member
-        eos = m.tokenizer.eos_token_id if m.tokenizer.eos_token_id in m.eos_ids else min(m.eos_ids, default=None)
+        eos = m.eos_id
         cands = []
         for d in drafts:
             ids = m.encode(d.text.decode("utf-8")) if d.text else []
@@ -211,7 +228,7 @@ class SpecFuse(Method):
         scoring forward computed for them is kept (no forward); otherwise the view re-syncs.
         Returns whether the scored KV was kept."""
         m, state = view.member, view.state
-        if ids and state.ids[view.prompt_len:] + ids == m.encode(decoded):
+        if ids and state.ids[view.prompt_len :] + ids == m.encode(decoded):
             m.keep_candidate(state, index)
             return True
         m.drop_candidates(state)
@@ -228,12 +245,13 @@ class SpecFuse(Method):
         active = [True] * k
         st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
         # members on different devices, or in Ray actors, draft and score in parallel threads
-        parallel = len({str(m.device) for m in members}) > 1 or any(getattr(m, "remote", False) for m in members)
+        parallel = len({str(m.device) for m in members}) > 1 or any(m.remote for m in members)
         check = current_guard()  # the request's deadline holds in those threads too
 
         def guarded(fn, *args):
             with forward_guard(check):
                 return fn(*args)
+
         # one generator per member when drafting in parallel, so sampling stays reproducible
         gens = [req.generator] * k
         if parallel and req.generator is not None and req.temperature > 0:
@@ -264,8 +282,9 @@ class SpecFuse(Method):
                 st.drafts_saved += k - len(todo)
                 room = left if guide else None
                 if pool is not None:
-                    drafts = list(pool.map(lambda i: guarded(self._draft, i, views[i], n, req, gens[i], text, room),
-                                           todo))
+                    drafts = list(
+                        pool.map(lambda i: guarded(self._draft, i, views[i], n, req, gens[i], text, room), todo)  # noqa: B023 (map runs now)
+                    )
                 else:
                     drafts = [self._draft(i, views[i], n, req, gens[i], text, room) for i in todo]
                 drafts = [d for d in drafts if d.text or d.eos]
@@ -276,7 +295,7 @@ class SpecFuse(Method):
                     req.finish_reason = "stop"
                     break
                 if pool is not None:
-                    scored = list(pool.map(lambda v: guarded(self._score, v, drafts), views))
+                    scored = list(pool.map(lambda v: guarded(self._score, v, drafts), views))  # noqa: B023 (map runs now)
                 else:
                     scored = [self._score(v, drafts) for v in views]
                 raw = torch.tensor([sc for sc, _ in scored], dtype=torch.float64)  # [K, C]
@@ -323,8 +342,9 @@ class SpecFuse(Method):
                 if seg:
                     decoded = text.decode("utf-8")
                     for v, (_, cands) in zip(views, scored):
-                        st.kept_scored_kv += self._advance(v, decoded, old, cands[best_i] if seg == best.text else [],
-                                                              best_i)
+                        st.kept_scored_kv += self._advance(
+                            v, decoded, old, cands[best_i] if seg == best.text else [], best_i
+                        )
                 else:
                     for v in views:
                         v.member.drop_candidates(v.state)

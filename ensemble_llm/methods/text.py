@@ -19,13 +19,13 @@ class IncrementalDecoder:
         text = self.member.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        delta = text[self.emitted:]
+        delta = text[self.emitted :]
         self.emitted = len(text)
         return delta
 
     def flush(self) -> str:
         """The rest; a character left incomplete by the token budget (decoded as U+FFFD) is dropped."""
         text = self.member.decode(self.ids).rstrip("\ufffd")
-        delta = text[self.emitted:]
+        delta = text[self.emitted :]
         self.emitted = len(text)
         return delta

@@ -16,9 +16,9 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
+from ..members.rows import pick_token
 from .align import EOS, start_members, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request, RunStats
-from .sampling import pick_token
 
 
 def check_weights(weights, n: int | None, owner: str) -> None:
@@ -26,11 +26,16 @@ def check_weights(weights, n: int | None, owner: str) -> None:
     non-negative number per member with a positive sum."""
     if weights is None or (isinstance(weights, str) and weights == "auto"):
         return
-    if not isinstance(weights, (list, tuple)) or not weights or any(
-            isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf for w in weights) \
-            or sum(weights) <= 0:
-        raise ConfigError(f"{owner}.weights must be 'auto', None (uniform) or a list of finite non-negative "
-                          f"numbers with a positive sum, got {weights!r}")
+    if (
+        not isinstance(weights, (list, tuple))
+        or not weights
+        or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf for w in weights)
+        or sum(weights) <= 0
+    ):
+        raise ConfigError(
+            f"{owner}.weights must be 'auto', None (uniform) or a list of finite non-negative "
+            f"numbers with a positive sum, got {weights!r}"
+        )
     if n is not None and len(weights) != n:
         raise ConfigError(f"{owner}.weights has {len(weights)} entries for {n} members; give one per member.")
 
@@ -95,11 +100,11 @@ class Emitter:
         cut = valid_utf8_prefix(data)
         if final and cut < len(data):
             cut = len(data)
-            tail = data[self.sent:].decode("utf-8", errors="replace")
+            tail = data[self.sent :].decode("utf-8", errors="replace")
             out = tail.rstrip("\ufffd") if not data.endswith("\ufffd".encode()) else tail
             self.sent = cut
             return out
-        out = data[self.sent:cut].decode("utf-8", errors="replace")
+        out = data[self.sent : cut].decode("utf-8", errors="replace")
         self.sent = max(self.sent, cut)
         return out
 
@@ -110,8 +115,7 @@ class Unite(Method):
     stats_class = UniteStats
 
     def check_members(self) -> None:
-        check_ensemble_members(self.name, self.members, self.config.primary, "UniteConfig.primary",
-                               self.config.weights)
+        check_ensemble_members(self.name, self.members, self.config.primary, "UniteConfig.primary", self.config.weights)
 
     def main_member(self) -> int | None:
         return self.config.primary
@@ -152,16 +156,22 @@ class Unite(Method):
                     ids = None if key is EOS else pidx.ids_for(key)
                     st.tokens_ensembled += 1
                 else:  # no union key is allowed: the primary's best allowed token
-                    tok = pick_token(guide.mask_row(main, pstate.ids[plen:], prow), req.temperature, req.top_p,
-                                     req.generator)
+                    tok = pick_token(
+                        guide.mask_row(main, pstate.ids[plen:], prow), req.temperature, req.top_p, req.generator
+                    )
                     key, ids = pidx.key_of(tok), [tok]
             else:  # inside a multi-byte character: the primary completes it alone
                 row = guide.mask_row(main, pstate.ids[plen:], prow) if guide else prow
                 tok = pick_token(row, req.temperature, req.top_p, req.generator)
                 key, ids = pidx.key_of(tok), [tok]
                 st.skipped_incomplete_utf8 += 1
-            if guide and not forced and not closed and key is not EOS \
-                    and not guide.fits(main, text + key, left - len(ids)):
+            if (
+                guide
+                and not forced
+                and not closed
+                and key is not EOS
+                and not guide.fits(main, text + key, left - len(ids))
+            ):
                 # after this key the shortest completion would not fit: write the completion instead
                 tail = guide.closing(main, text, 0) or b""
                 key, ids, closed = tail, guide.spell(main, tail)[:left], True

@@ -23,24 +23,35 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
-from langchain_core.tools import BaseTool
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
-from langchain_core.runnables import RunnableMap, RunnablePassthrough
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ensemble_llm import Ensemble, GenerationParams, RequestError
+from ensemble_llm.chat import content_text
 from ensemble_llm.client import RemoteEnsemble
-from ensemble_llm.chat import check_tool_choice, content_text
-from ensemble_llm.engine import ENGINE_OPTIONS, GenerationResult
+from ensemble_llm.engine import ENGINE_OPTIONS
+from ensemble_llm.results import GenerationResult
 from ensemble_llm.stopping import stop_list
+from ensemble_llm.tools import check_tool_choice
 
 # per-call keyword arguments that LangChain or its agents may pass and that we understand
-_CALL_KEYS = {"tools", "tool_choice", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed", "model",
-              "response_format", "trace"}
+_CALL_KEYS = {
+    "tools",
+    "tool_choice",
+    "max_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "model",
+    "response_format",
+    "trace",
+}
 # keyword arguments LangChain passes through that carry no generation setting for us
 _PASSTHROUGH = {"ls_structured_output_format", "parallel_tool_calls", "strict", "stream"}
 
@@ -58,8 +69,10 @@ def _role_of(message: BaseMessage) -> str:
         role = {"human": "user", "ai": "assistant", "developer": "system"}.get(message.role, message.role)
         if role in ("system", "user", "assistant", "tool"):
             return role
-    raise ValueError(f"EnsembleLLM cannot send a {type(message).__name__} (role "
-                     f"{getattr(message, 'role', message.type)!r}); use system, human, ai or tool messages.")
+    raise ValueError(
+        f"EnsembleLLM cannot send a {type(message).__name__} (role "
+        f"{getattr(message, 'role', message.type)!r}); use system, human, ai or tool messages."
+    )
 
 
 def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
@@ -70,15 +83,23 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         # the content blocks of an input message go as they are, so the engine can name a block
         # (an image, audio) that these text-only members cannot read instead of dropping it; an
         # AI message's non-text blocks (tool-call blocks) travel in tool_calls below
-        as_is = isinstance(m.content, list) and role != "assistant" and not all(
-            isinstance(b, str) or (isinstance(b, dict) and b.get("type", "text") == "text") for b in m.content)
+        as_is = (
+            isinstance(m.content, list)
+            and role != "assistant"
+            and not all(
+                isinstance(b, str) or (isinstance(b, dict) and b.get("type", "text") == "text") for b in m.content
+            )
+        )
         msg: dict[str, Any] = {"role": role, "content": m.content if as_is else content_text(m.content)}
         if m.name:
             msg["name"] = m.name
         if isinstance(m, AIMessage) and m.tool_calls:
             msg["tool_calls"] = [
-                {"id": c.get("id") or f"call_{i}", "type": "function",
-                 "function": {"name": c["name"], "arguments": c.get("args") or {}}}
+                {
+                    "id": c.get("id") or f"call_{i}",
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c.get("args") or {}},
+                }
                 for i, c in enumerate(m.tool_calls)
             ]
         if isinstance(m, ToolMessage):
@@ -156,13 +177,20 @@ class EnsembleLLM(BaseChatModel):
             self.engine = RemoteEnsemble(self.base_url, key, max_retries=self.max_retries, timeout=self.timeout)
         else:
             # Ensemble validates members, method, config and devices and names the bad one
-            self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
-                                                   **{k: getattr(self, k) for k in ENGINE_OPTIONS})
+            self.engine = Ensemble.shared_or_given(
+                self.engine, self.members, self.method, self.config, **{k: getattr(self, k) for k in ENGINE_OPTIONS}
+            )
             self.members = self.engine.model_names
             self.method = self.engine.method_name
         if self.profile is None:
-            self.profile = {"tool_calling": True, "tool_choice": True, "structured_output": True,
-                            "text_inputs": True, "text_outputs": True, "temperature": True}
+            self.profile = {
+                "tool_calling": True,
+                "tool_choice": True,
+                "structured_output": True,
+                "text_inputs": True,
+                "text_outputs": True,
+                "temperature": True,
+            }
         return self
 
     # ---- identity ------------------------------------------------------------------------
@@ -178,13 +206,23 @@ class EnsembleLLM(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"members": self.members, "method": self.method, "config": repr(getattr(self.engine, "config", None)),
-                "base_url": self.base_url,
-                "temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+        return {
+            "members": self.members,
+            "method": self.method,
+            "config": repr(getattr(self.engine, "config", None)),
+            "base_url": self.base_url,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+        }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="ensemble_llm", ls_model_name=kwargs.get("model") or self.model_name,
-                                 ls_model_type="chat", ls_temperature=kwargs.get("temperature", self.temperature))
+        params = LangSmithParams(
+            ls_provider="ensemble_llm",
+            ls_model_name=kwargs.get("model") or self.model_name,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
         if max_tokens:
             params["ls_max_tokens"] = max_tokens
@@ -200,18 +238,28 @@ class EnsembleLLM(BaseChatModel):
         return members[self.engine.member_weights("chat")[1]].encode(text)
 
     # ---- tools ---------------------------------------------------------------------------
-    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
-                   tool_choice: str | dict | bool | None = None,
-                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: str | dict | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (any form `convert_to_openai_tool` takes). tool_choice: None/"auto", "none",
         "any"/"required"/True (a call is forced), a tool name or {"type": "function", ...}."""
         formatted = [convert_to_openai_tool(t) for t in tools]
         check_tool_choice(tool_choice, formatted)  # fail here, not at the first call
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
-    def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
-                               include_raw: bool = False, strict: bool | None = None,
-                               **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
+    def with_structured_output(
+        self,
+        schema: dict | type | None = None,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
         """Replies parsed into `schema` (a pydantic model, a TypedDict, or a JSON Schema dict).
 
         method="json_schema" (default): the reply is constrained to the schema's grammar
@@ -240,8 +288,9 @@ class EnsembleLLM(BaseChatModel):
             fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema, "strict": True}}
         else:
             fmt = {"type": "json_object"}
-        llm = self.bind(response_format=fmt,
-                        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+        llm = self.bind(
+            response_format=fmt, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema}
+        )
         parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
         if include_raw:
             assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -266,72 +315,120 @@ class EnsembleLLM(BaseChatModel):
                     raise RequestError(
                         f"message {i} (tool) has no tool_call_id (got {call_id!r}); a tool result must name "
                         "the call it answers: use ToolMessage(content, tool_call_id=...) or "
-                        "{'role': 'tool', 'content': ..., 'tool_call_id': ...} with the id of that call.")
+                        "{'role': 'tool', 'content': ..., 'tool_call_id': ...} with the id of that call."
+                    )
         return super()._convert_input(model_input)
 
     def _request(self, stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationParams:
         unknown = set(kwargs) - _CALL_KEYS - _PASSTHROUGH
         if unknown:
-            raise ValueError(f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; "
-                             f"it takes {sorted(_CALL_KEYS)}.")
+            raise ValueError(
+                f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; it takes {sorted(_CALL_KEYS)}."
+            )
         model = kwargs.get("model")
         if model is not None and model != self.model_name:
-            raise ValueError(f"EnsembleLLM cannot switch to model {model!r} per call; build another "
-                             f"EnsembleLLM(members=[...]) (this one is {self.model_name!r}).")
+            raise ValueError(
+                f"EnsembleLLM cannot switch to model {model!r} per call; build another "
+                f"EnsembleLLM(members=[...]) (this one is {self.model_name!r})."
+            )
         # a string is ONE stop string (as in LlamaIndex and OpenAI), never its characters
         stops = stop_list(self.stop, stop)  # duplicates are harmless: StopMatcher drops them
-        return GenerationParams(**{
-            "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "seed": kwargs.get("seed", self.seed),
-            "stop": stops,
-            "timeout": self.timeout,
-            "max_retries": 0 if self.base_url is not None else self.max_retries,
-            "tools": kwargs.get("tools"),
-            "tool_choice": kwargs.get("tool_choice"),
-            "response_format": kwargs.get("response_format"),
-            "trace": bool(kwargs.get("trace", False)),
-        })
+        return GenerationParams(
+            **{
+                "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
+                "temperature": kwargs.get("temperature", self.temperature),
+                "top_p": kwargs.get("top_p", self.top_p),
+                "seed": kwargs.get("seed", self.seed),
+                "stop": stops,
+                "timeout": self.timeout,
+                "max_retries": 0 if self.base_url is not None else self.max_retries,
+                "tools": kwargs.get("tools"),
+                "tool_choice": kwargs.get("tool_choice"),
+                "response_format": kwargs.get("response_format"),
+                "trace": bool(kwargs.get("trace", False)),
+            }
+        )
 
     def _metadata(self, result: GenerationResult) -> dict[str, Any]:
-        return {"model_name": self.model_name, "members": result.models, "method": result.method,
-                "finish_reason": result.finish_reason, "stats": result.stats}
+        return {
+            "model_name": self.model_name,
+            "members": result.models,
+            "method": result.method,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats,
+        }
 
     @staticmethod
     def _usage(result: GenerationResult) -> dict[str, int]:
         u = result.usage
-        return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-                "total_tokens": u.total_tokens}
+        return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
 
     def _message(self, result: GenerationResult) -> AIMessage:
         calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
-        return AIMessage(content=result.text, tool_calls=calls, usage_metadata=self._usage(result),
-                         response_metadata=self._metadata(result))
+        return AIMessage(
+            content=result.text,
+            tool_calls=calls,
+            usage_metadata=self._usage(result),
+            response_metadata=self._metadata(result),
+        )
 
     def _last_chunk(self, result: GenerationResult) -> ChatGenerationChunk:
-        chunks = [{"name": c.name, "args": json.dumps(c.arguments, ensure_ascii=False), "id": c.id, "index": i,
-                   "type": "tool_call_chunk"} for i, c in enumerate(result.tool_calls)]
-        msg = AIMessageChunk(content="", tool_call_chunks=chunks, usage_metadata=self._usage(result),
-                             response_metadata=self._metadata(result), chunk_position="last")
+        chunks = [
+            {
+                "name": c.name,
+                "args": json.dumps(c.arguments, ensure_ascii=False),
+                "id": c.id,
+                "index": i,
+                "type": "tool_call_chunk",
+            }
+            for i, c in enumerate(result.tool_calls)
+        ]
+        msg = AIMessageChunk(
+            content="",
+            tool_call_chunks=chunks,
+            usage_metadata=self._usage(result),
+            response_metadata=self._metadata(result),
+            chunk_position="last",
+        )
         return ChatGenerationChunk(message=msg, generation_info={"finish_reason": result.finish_reason})
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         request = self._request(stop, kwargs)
         result = self.engine.generate(to_engine_messages(messages), request)
-        return ChatResult(generations=[ChatGeneration(message=self._message(result),
-                                                      generation_info={"finish_reason": result.finish_reason})])
+        return ChatResult(
+            generations=[
+                ChatGeneration(message=self._message(result), generation_info={"finish_reason": result.finish_reason})
+            ]
+        )
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         request = self._request(stop, kwargs)
         result = await self.engine.agenerate(to_engine_messages(messages), request)
-        return ChatResult(generations=[ChatGeneration(message=self._message(result),
-                                                      generation_info={"finish_reason": result.finish_reason})])
+        return ChatResult(
+            generations=[
+                ChatGeneration(message=self._message(result), generation_info={"finish_reason": result.finish_reason})
+            ]
+        )
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         request = self._request(stop, kwargs)
         stream = self.engine.stream(to_engine_messages(messages), request)
         for delta in stream:
@@ -341,9 +438,13 @@ class EnsembleLLM(BaseChatModel):
             yield chunk
         yield self._last_chunk(stream.result)
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(stop, kwargs)
         stream = self.engine.astream(to_engine_messages(messages), request)
         async for delta in stream:

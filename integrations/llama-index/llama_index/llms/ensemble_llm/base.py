@@ -30,17 +30,33 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ensemble_llm import Ensemble, GenerationParams, RequestError
 from ensemble_llm.client import RemoteEnsemble
-from ensemble_llm.chat import check_tool_choice
-from ensemble_llm.engine import ENGINE_OPTIONS, GenerationResult
+from ensemble_llm.engine import ENGINE_OPTIONS
+from ensemble_llm.results import GenerationResult
 from ensemble_llm.stopping import stop_list
+from ensemble_llm.tools import check_tool_choice
 
 _ROLES = {
-    MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
-    MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
-    MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool",
+    MessageRole.SYSTEM: "system",
+    MessageRole.DEVELOPER: "system",
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
+    MessageRole.TOOL: "tool",
+    MessageRole.FUNCTION: "tool",
 }
-_CALL_KEYS = {"tools", "tool_choice", "max_new_tokens", "max_tokens", "temperature", "top_p", "seed", "stop",
-              "response_format", "trace"}
+_CALL_KEYS = {
+    "tools",
+    "tool_choice",
+    "max_new_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "response_format",
+    "trace",
+}
 
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
@@ -49,15 +65,19 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
     for i, m in enumerate(messages):
         role = _ROLES.get(m.role)
         if role is None:
-            raise ValueError(f"EnsembleLLM cannot send a message with role {m.role!r}; "
-                             "use system, user, assistant or tool.")
+            raise ValueError(
+                f"EnsembleLLM cannot send a message with role {m.role!r}; use system, user, assistant or tool."
+            )
         text = "".join(b.text for b in m.blocks if isinstance(b, TextBlock))
         msg: dict[str, Any] = {"role": role, "content": text}
         calls = [b for b in m.blocks if isinstance(b, ToolCallBlock)]
         if role == "assistant" and calls:
             msg["tool_calls"] = [
-                {"id": c.tool_call_id or f"call_{i}", "type": "function",
-                 "function": {"name": c.tool_name, "arguments": c.tool_kwargs}}
+                {
+                    "id": c.tool_call_id or f"call_{i}",
+                    "type": "function",
+                    "function": {"name": c.tool_name, "arguments": c.tool_kwargs},
+                }
                 for i, c in enumerate(calls)
             ]
         extra = m.additional_kwargs or {}
@@ -68,7 +88,8 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict]:
                 raise RequestError(
                     f"message {i} (tool) has no tool_call_id (got {extra.get('tool_call_id')!r}); a tool result must "
                     "name the call it answers: ChatMessage(role='tool', content=..., additional_kwargs="
-                    "{'tool_call_id': <the call's id>}).")
+                    "{'tool_call_id': <the call's id>})."
+                )
             msg["tool_call_id"] = extra["tool_call_id"]
             if extra.get("name"):
                 msg["name"] = extra["name"]
@@ -96,35 +117,60 @@ class EnsembleLLM(FunctionCallingLLM):
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt argument is an error
 
     members: Optional[List[Union[str, Dict[str, Any]]]] = Field(
-        default=None, description="Bundled names, folders, .gguf files or cached hub ids; or "
-                                  "{'model': ..., 'preamble': [messages]} dicts.")
-    method: Optional[str] = Field(default=None, description='"single", "unite", "safe", "specfuse" or "smc" (default safe for 2+ members).')
+        default=None,
+        description="Bundled names, folders, .gguf files or cached hub ids; or "
+        "{'model': ..., 'preamble': [messages]} dicts.",
+    )
+    method: Optional[str] = Field(
+        default=None, description='"single", "unite", "safe", "specfuse" or "smc" (default safe for 2+ members).'
+    )
     config: Any = Field(default=None, description="The method's config dataclass or a dict.")
     device: Any = Field(default="auto", description='"auto", a device, or one device per member.')
     dtype: Any = Field(default="auto", description='"auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype.')
     cache_dir: Optional[str] = Field(default=None, description="Where converted bundled models are cached.")
     trust_remote_code: bool = Field(default=False)
     progress: bool = Field(default=True, description="Show download/conversion progress bars.")
-    placement: str = Field(default="local", description=(
-        '"local" (members in this process) or "ray" (each member in a Ray actor, on this machine or a cluster).'))
-    ray_address: Optional[str] = Field(default=None, description=(
-        'placement="ray": the cluster to join ("auto", "ray://HEAD:10001"); None starts a local one.'))
-    member_resources: Any = Field(default=None, description=(
-        'placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}.'))
+    placement: str = Field(
+        default="local",
+        description=(
+            '"local" (members in this process) or "ray" (each member in a Ray actor, on this machine or a cluster).'
+        ),
+    )
+    ray_address: Optional[str] = Field(
+        default=None,
+        description=('placement="ray": the cluster to join ("auto", "ray://HEAD:10001"); None starts a local one.'),
+    )
+    member_resources: Any = Field(
+        default=None,
+        description=(
+            'placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}.'
+        ),
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(default=256, gt=0, description="Most new tokens per reply.")
     stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
     seed: Optional[int] = Field(default=None)
     timeout: Optional[float] = Field(default=None, gt=0, description="Seconds a call may run.")
-    max_retries: int = Field(default=0, ge=0, le=100, description=(
-        "Times a call that failed inside generation (GenerationError) is run again, within the same "
-        "timeout (a streamed call only before it showed text)."))
-    base_url: Optional[str] = Field(default=None, description=(
-        "Client mode: the URL of a served ensemble (`ensemble-llm serve`), e.g. http://127.0.0.1:8000/v1."))
+    max_retries: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description=(
+            "Times a call that failed inside generation (GenerationError) is run again, within the same "
+            "timeout (a streamed call only before it showed text)."
+        ),
+    )
+    base_url: Optional[str] = Field(
+        default=None,
+        description=(
+            "Client mode: the URL of a served ensemble (`ensemble-llm serve`), e.g. http://127.0.0.1:8000/v1."
+        ),
+    )
     api_key: Optional[SecretStr] = Field(default=None, description="The served ensemble's API key (client mode).")
-    context_window: Optional[int] = Field(default=None, gt=0, description=(
-        "Client mode: the served members' smallest context window (default 2048)."))
+    context_window: Optional[int] = Field(
+        default=None, gt=0, description=("Client mode: the served members' smallest context window (default 2048).")
+    )
     engine: Any = Field(default=None, exclude=True, description="An Ensemble to share.")
     _context_window: Optional[int] = PrivateAttr(default=None)
 
@@ -136,8 +182,9 @@ class EnsembleLLM(FunctionCallingLLM):
             self._context_window = self.context_window or 2048
             return self
         # Ensemble validates members, method, config and devices and names the bad one
-        self.engine = Ensemble.shared_or_given(self.engine, self.members, self.method, self.config,
-                                               **{k: getattr(self, k) for k in ENGINE_OPTIONS})
+        self.engine = Ensemble.shared_or_given(
+            self.engine, self.members, self.method, self.config, **{k: getattr(self, k) for k in ENGINE_OPTIONS}
+        )
         self.members = self.engine.model_names
         self.method = self.engine.method_name
         return self
@@ -156,9 +203,14 @@ class EnsembleLLM(FunctionCallingLLM):
     def metadata(self) -> LLMMetadata:
         if self._context_window is None:
             self._context_window = self.engine.context_window
-        return LLMMetadata(context_window=self._context_window, num_output=self.max_new_tokens,
-                           is_chat_model=True, is_function_calling_model=True, model_name=self.model_name,
-                           system_role=MessageRole.SYSTEM)
+        return LLMMetadata(
+            context_window=self._context_window,
+            num_output=self.max_new_tokens,
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=self.model_name,
+            system_role=MessageRole.SYSTEM,
+        )
 
     # ---- request plumbing ----------------------------------------------------------------
     def _messages(self, messages: Sequence[ChatMessage]) -> list[dict]:
@@ -170,31 +222,41 @@ class EnsembleLLM(FunctionCallingLLM):
     def _request(self, kwargs: dict[str, Any]) -> GenerationParams:
         unknown = set(kwargs) - _CALL_KEYS
         if unknown:
-            raise TypeError(f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; "
-                            f"it takes {sorted(_CALL_KEYS)}.")
-        return GenerationParams(**{
-            "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "seed": kwargs.get("seed", self.seed),
-            "stop": stop_list(self.stop, kwargs.get("stop")),  # duplicates are harmless: StopMatcher drops them
-            "timeout": self.timeout,
-            "max_retries": 0 if self.base_url is not None else self.max_retries,
-            "tools": kwargs.get("tools"),
-            "tool_choice": kwargs.get("tool_choice"),
-            "response_format": kwargs.get("response_format"),
-            "trace": bool(kwargs.get("trace", False)),
-        })
+            raise TypeError(
+                f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; it takes {sorted(_CALL_KEYS)}."
+            )
+        return GenerationParams(
+            **{
+                "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+                "temperature": kwargs.get("temperature", self.temperature),
+                "top_p": kwargs.get("top_p", self.top_p),
+                "seed": kwargs.get("seed", self.seed),
+                "stop": stop_list(self.stop, kwargs.get("stop")),  # duplicates are harmless: StopMatcher drops them
+                "timeout": self.timeout,
+                "max_retries": 0 if self.base_url is not None else self.max_retries,
+                "tools": kwargs.get("tools"),
+                "tool_choice": kwargs.get("tool_choice"),
+                "response_format": kwargs.get("response_format"),
+                "trace": bool(kwargs.get("trace", False)),
+            }
+        )
 
     def _raw(self, result: GenerationResult) -> dict[str, Any]:
-        return {"usage": result.usage.to_dict(), "finish_reason": result.finish_reason, "model": self.model_name,
-                "method": result.method, "members": result.models, "stats": result.stats,
-                "text": result.raw_text}
+        return {
+            "usage": result.usage.to_dict(),
+            "finish_reason": result.finish_reason,
+            "model": self.model_name,
+            "method": result.method,
+            "members": result.models,
+            "stats": result.stats,
+            "text": result.raw_text,
+        }
 
     def _reply(self, result: GenerationResult) -> ChatMessage:
         blocks: list = [TextBlock(text=result.text)] if result.text else []
-        blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
-                   for c in result.tool_calls]
+        blocks += [
+            ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in result.tool_calls
+        ]
         return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks or [TextBlock(text="")])
 
     def _prompt_messages(self, prompt: str) -> list[ChatMessage]:
@@ -240,22 +302,27 @@ class EnsembleLLM(FunctionCallingLLM):
         return gen()
 
     # ---- structured output: the reply constrained to the model's JSON Schema ---------------------
-    def _structured_messages(self, output_cls: type, prompt: Any, llm_kwargs: dict | None,
-                             prompt_args: dict) -> tuple[list[ChatMessage], dict]:
+    def _structured_messages(
+        self, output_cls: type, prompt: Any, llm_kwargs: dict | None, prompt_args: dict
+    ) -> tuple[list[ChatMessage], dict]:
         messages = prompt.format_messages(llm=self, **prompt_args)
-        fmt = {"type": "json_schema", "json_schema": {"name": output_cls.__name__,
-                                                       "schema": output_cls.model_json_schema()}}
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": output_cls.__name__, "schema": output_cls.model_json_schema()},
+        }
         return messages, {**(llm_kwargs or {}), "response_format": fmt}
 
-    def structured_predict(self, output_cls: type, prompt: Any, llm_kwargs: Optional[Dict[str, Any]] = None,
-                           **prompt_args: Any) -> Any:
+    def structured_predict(
+        self, output_cls: type, prompt: Any, llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any
+    ) -> Any:
         """An instance of `output_cls` (a pydantic model): the reply is constrained to its JSON
         Schema (llguidance), so it always parses and validates, whatever the members write."""
         messages, kwargs = self._structured_messages(output_cls, prompt, llm_kwargs, prompt_args)
         return output_cls.model_validate_json(self.chat(messages, **kwargs).message.content)
 
-    async def astructured_predict(self, output_cls: type, prompt: Any, llm_kwargs: Optional[Dict[str, Any]] = None,
-                                  **prompt_args: Any) -> Any:
+    async def astructured_predict(
+        self, output_cls: type, prompt: Any, llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any
+    ) -> Any:
         messages, kwargs = self._structured_messages(output_cls, prompt, llm_kwargs, prompt_args)
         return output_cls.model_validate_json((await self.achat(messages, **kwargs)).message.content)
 
@@ -292,8 +359,7 @@ class EnsembleLLM(FunctionCallingLLM):
         return gen()
 
     @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False,
-                               **kwargs: Any) -> CompletionResponseAsyncGen:
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
         stream = self.engine.astream(msgs, self._request(kwargs))
 
@@ -307,31 +373,45 @@ class EnsembleLLM(FunctionCallingLLM):
         return gen()
 
     # ---- tools ---------------------------------------------------------------------------
-    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: Optional[Union[str, ChatMessage]] = None,
-                                 chat_history: Optional[List[ChatMessage]] = None, verbose: bool = False,
-                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
-                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: Optional[Union[str, ChatMessage]] = None,
+        chat_history: Optional[List[ChatMessage]] = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: Any = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         """Messages plus OpenAI-format tool specs; tool_required forces a call (the call grammar, closed
         within the budget; a budget too small for the shortest call is a RequestError)."""
         specs = [t.metadata.to_openai_tool() for t in tools]
         messages = list(chat_history or [])
         if user_msg:
-            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
-                            else user_msg)
+            messages.append(
+                ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg
+            )
         choice = tool_choice if tool_choice is not None else ("required" if tool_required else "auto")
         if not specs:
             choice = None
         check_tool_choice(choice, specs or None)
         return {"messages": messages, "tools": specs or None, "tool_choice": choice, **kwargs}
 
-    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
-                                     **kwargs: Any) -> List[ToolSelection]:
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> List[ToolSelection]:
         calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
         if not calls and error_on_no_tool_call:
             raise ValueError(f"Expected at least one tool call, but the model replied: {response.message.content!r}")
-        return [ToolSelection(tool_id=c.tool_call_id or "", tool_name=c.tool_name,
-                              tool_kwargs=c.tool_kwargs if isinstance(c.tool_kwargs, dict) else {})
-                for c in calls]
+        return [
+            ToolSelection(
+                tool_id=c.tool_call_id or "",
+                tool_name=c.tool_name,
+                tool_kwargs=c.tool_kwargs if isinstance(c.tool_kwargs, dict) else {},
+            )
+            for c in calls
+        ]
 
 
 __all__ = ["EnsembleLLM", "to_engine_messages"]

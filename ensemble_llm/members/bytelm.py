@@ -21,88 +21,22 @@ The pieces:
 
 from __future__ import annotations
 
-import bisect
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
-from ..members import Member
-from ..members.rows import Ready
+if TYPE_CHECKING:  # annotations only: member.py builds its ByteLM from this module
+    from .member import Member
+
+from .rows import Ready
+from .vocab import VocabTrie
 
 EOS = 256  # index of the end-of-sequence slot in next-byte vectors (257 slots)
 NEG_INF = -math.inf
-
-
-def _upper(prefix: bytes) -> bytes | None:
-    """The smallest byte string greater than every string starting with `prefix` (None: no bound)."""
-    p = prefix.rstrip(b"\xff")
-    return p[:-1] + bytes([p[-1] + 1]) if p else None
-
-
-@dataclass(frozen=True)
-class Node:
-    lo: int  # first sorted position under this prefix (tokens equal to the prefix come first)
-    end: int  # lo + number of tokens whose bytes equal the prefix exactly
-    hi: int
-    starts: np.ndarray  # [257] sorted position where the child for byte b begins; starts[256] = hi
-
-
-class VocabTrie:
-    MAX_CACHED = 100_000  # trie nodes kept (built lazily, on the member, across requests)
-
-    def __init__(self, vocab_bytes: Sequence[bytes], exclude: frozenset[int], eos_ids: frozenset[int]) -> None:
-        items = sorted((b, i) for i, b in enumerate(vocab_bytes) if b and i not in exclude and i not in eos_ids)
-        self.keys = [b for b, _ in items]
-        self.ids = [i for _, i in items]
-        self.order = torch.tensor(self.ids, dtype=torch.long)
-        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
-        self._nodes: dict[bytes, Node | None] = {}
-        self._single = {bytes([b]) for b in range(256)} <= set(self.keys)
-
-    def node(self, prefix: bytes) -> Node | None:
-        """The node for `prefix`, or None when no token starts with it."""
-        if prefix in self._nodes:
-            return self._nodes[prefix]
-        if len(self._nodes) >= self.MAX_CACHED:  # a long-lived server: start the cache afresh (~2 KB a node)
-            self._nodes.clear()
-        keys = self.keys
-        lo = bisect.bisect_left(keys, prefix)
-        up = _upper(prefix)
-        hi = len(keys) if up is None else bisect.bisect_left(keys, up, lo)
-        if lo >= hi:
-            self._nodes[prefix] = None
-            return None
-        end = lo
-        while end < hi and keys[end] == prefix:
-            end += 1
-        starts = np.empty(257, dtype=np.int64)
-        for b in range(256):
-            starts[b] = bisect.bisect_left(keys, prefix + bytes([b]), end, hi)
-        starts[256] = hi
-        node = Node(lo, end, hi, starts)
-        self._nodes[prefix] = node
-        return node
-
-    def split(self, data: bytes) -> list[int]:
-        """Greedy longest-match tokenization of any byte string (positions in sorted order)."""
-        out, i = [], 0
-        while i < len(data):
-            best = None
-            for j in range(i + 1, len(data) + 1):
-                node = self.node(data[i:j])
-                if node is None:
-                    break
-                if node.end > node.lo:
-                    best = (j, node.lo)
-            if best is None:
-                raise ValueError(f"no token spells byte {data[i]:#x}; this vocabulary cannot write it")
-            out.append(best[1])
-            i = best[0]
-        return out
 
 
 class Context:
@@ -171,8 +105,14 @@ def _log(x: float) -> float:
 class ByteLM:
     """One member as a byte-level LM over 257 slots, for many beams at once."""
 
-    def __init__(self, member: Member, beam_width: int = 5, prune_threshold: float = 0.0,
-                 temperature: float = 1.0, keep_fresh: bool = False) -> None:
+    def __init__(
+        self,
+        member: Member,
+        beam_width: int = 5,
+        prune_threshold: float = 0.0,
+        temperature: float = 1.0,
+        keep_fresh: bool = False,
+    ) -> None:
         self.member = member
         # keep_fresh: always keep the best "token ends here" hypothesis, however light. Under a
         # grammar the bytes only it can write may be the only allowed ones (a digit after '": '
@@ -193,8 +133,11 @@ class ByteLM:
         """Set each context's distribution from raw logits [B, V] (tempered, specials removed)."""
         order, eos = self.trie.order.to(logits.device), self.trie.eos.to(logits.device)
         allowed = logits.index_select(1, order).double() / self.temperature
-        eos_l = (logits.index_select(1, eos).double() / self.temperature if len(eos)
-                 else allowed.new_full((len(ctxs), 1), NEG_INF))
+        eos_l = (
+            logits.index_select(1, eos).double() / self.temperature
+            if len(eos)
+            else allowed.new_full((len(ctxs), 1), NEG_INF)
+        )
         lse = torch.logsumexp(torch.cat([allowed, eos_l], dim=1), dim=1, keepdim=True)
         p = torch.exp(allowed - lse)
         cs = torch.cat([p.new_zeros(len(ctxs), 1), torch.cumsum(p, dim=1)], dim=1).cpu().numpy()
@@ -217,8 +160,7 @@ class ByteLM:
             return
         # every parent is computed before its children (the beam only ever adds one token)
         assert all(c.parent.parent is None or c.parent.kv is not None for c in todo)
-        logits, kvs = self.member.forward_rows(self.prefix_kv, [c.parent.path() for c in todo],
-                                               [c.token for c in todo])
+        logits, kvs = self.member.forward_rows(self.prefix_kv, [c.parent.path() for c in todo], [c.token for c in todo])
         for c, kv in zip(todo, kvs):
             c.kv = kv
         self._fill(todo, logits)
@@ -279,8 +221,9 @@ class ByteLM:
             # bytes only it could write carry less than the threshold; `advance` heals if one
             # is taken all the same).
             fresh = next((h for h in out if not h.partial), None)
-            if fresh is not None and (self.keep_fresh or self.log_prune == NEG_INF
-                                      or fresh.logw >= out[0].logw + self.log_prune):
+            if fresh is not None and (
+                self.keep_fresh or self.log_prune == NEG_INF or fresh.logw >= out[0].logw + self.log_prune
+            ):
                 kept.append(fresh)
         return kept
 
@@ -302,6 +245,10 @@ class ByteLM:
         m = np.logaddexp.reduce(np.stack(rows), axis=0)
         total = np.logaddexp.reduce(m)
         return m - total if total > NEG_INF else m
+
+    def next_logprobs_async(self, beams: Sequence[Beam]) -> Ready:
+        """`next_logprobs` as an answer with `.get()` (the form a member in an actor answers in)."""
+        return Ready(self.next_logprobs(beams))
 
     def next_logprobs(self, beams: Sequence[Beam]) -> np.ndarray:
         """log p(b | x) for every beam, [len(beams), 257]; all new contexts in one forward."""
@@ -365,20 +312,21 @@ class ByteLM:
         return [Hyp(ctx, last, lp, lp + math.log(m))] if m > 0 else []
 
 
-def make_byte_lm(member: Member, beam_width: int = 5, prune_threshold: float = 0.0, temperature: float = 1.0,
-                 keep_fresh: bool = False):
+def make_byte_lm(
+    member: Member,
+    beam_width: int = 5,
+    prune_threshold: float = 0.0,
+    temperature: float = 1.0,
+    keep_fresh: bool = False,
+):
     """The member's byte LM: a `ByteLM` here, or, for a member in a Ray actor, one on its actor
     (`RemoteByteLM`: the same interface, 257 log-probs per beam cross the wire)."""
-    if hasattr(member, "byte_lm"):
-        return member.byte_lm(beam_width, prune_threshold, temperature, keep_fresh)
-    return ByteLM(member, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
+    return member.byte_lm(beam_width, prune_threshold, temperature, keep_fresh)
 
 
 def next_logprobs_async(lm, beams):
     """`lm.next_logprobs(beams)` as something with `.get()`: a remote byte LM is asked at once."""
-    if hasattr(lm, "next_logprobs_async"):
-        return lm.next_logprobs_async(beams)
-    return Ready(lm.next_logprobs(beams))
+    return lm.next_logprobs_async(beams)
 
 
 def byte_trie(member: Member) -> VocabTrie:

@@ -1,0 +1,267 @@
+"""The member side of placement="ray": `MemberActor`, one per member in a Ray worker, holds the
+model, its KV states, the rows of log-probs each forward produced and, for smc, the member's
+`ByteLM`; the caller reaches them by handle (handles.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, GenerationError
+from ..members.bytelm import ByteLM
+from ..members.rows import pick_token
+
+log = logging.getLogger("ensemble_llm.ray")
+
+MAX_RESTARTS = 4  # a dead member's actor is restarted this many times (then its requests fail)
+PLACEMENT_TIMEOUT_S = 60.0  # how long load() waits for the cluster to find room for the members
+WAIT_SLICE_S = 0.05  # the caller checks the request's deadline this often while it waits
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "torch_threads")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - ray is a dependency of the ray extra and of the tests
+        raise ConfigError("placement='ray' needs Ray: pip install 'ensemble-llm[ray]'") from exc
+    return ray
+
+
+def payload_bytes(obj: Any) -> int:
+    """Bytes of a call's arguments or result as data (ids, floats, arrays), not Ray's framing."""
+    if obj is None or isinstance(obj, bool):
+        return 1
+    if isinstance(obj, (int, float)):
+        return 8
+    if isinstance(obj, (bytes, str)):
+        return len(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_bytes(k) + payload_bytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        if obj and all(type(x) is int for x in obj):
+            return 8 * len(obj)
+        return sum(payload_bytes(x) for x in obj)
+    return 8
+
+
+# ---- the actor ---------------------------------------------------------------------------------
+class MemberActor:
+    """One member in a Ray worker: the model, its KV states and rows, by handle."""
+
+    def __init__(
+        self, spec: str, dtype: str, cache_dir: str | None, trust_remote_code: bool, threads: int | None
+    ) -> None:
+        from ..members.loader import load_member
+
+        if threads:
+            torch.set_num_threads(threads)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray shows an actor only its own GPUs
+        self.member = load_member(
+            spec, device=device, dtype=dtype, cache_dir=cache_dir, trust_remote_code=trust_remote_code, progress=False
+        )
+        self.objs: dict[int, Any] = {}
+        self.scratch: dict[int, list] = {}
+        self.last_error = "none"
+
+    def info(self) -> dict:
+        m = self.member
+        eos = m.model.generation_config.eos_token_id if m.model.generation_config else None
+        return {
+            "name": m.name,
+            "vocab_size": m.vocab_size,
+            "context_window": m.context_window,
+            "eos_ids": eos if isinstance(eos, list) else [eos] if eos is not None else [],
+            "n_params": m.n_params,
+            "dtype": str(m.dtype),
+            "device": str(m.device),
+            "source": m.source,
+            "threads": torch.get_num_threads(),
+        }
+
+    def tokenizer_digest(self) -> str:
+        """A digest of the member's tokenizer files (names and contents)."""
+        h = hashlib.sha256()
+        for name, data in sorted(self._tokenizer_files().items()):
+            h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+        return h.hexdigest()[:16]
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return self._tokenizer_files()
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        folder = Path(self.member.source)
+        return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.name in TOKENIZER_FILE_NAMES}
+
+    def call(self, op: str, args: tuple, dead: list[int]) -> Any:
+        try:
+            return getattr(self, "op_" + op)(*args)
+        except Exception as exc:
+            self.last_error = f"{op}: {type(exc).__name__}: {exc}"
+            raise
+        finally:  # after the call: a handle the caller made and dropped before this call created it
+            for h in dead:
+                self.objs.pop(h, None)
+                self.scratch.pop(h, None)
+
+    def _row(self, r: int, i: int) -> torch.Tensor:
+        try:
+            return self.objs[r][i]
+        except KeyError:
+            raise GenerationError(
+                f"{self.member.name}: row {r} is gone (the last failed call on this actor: "
+                f"{self.last_error}; or the actor restarted)"
+            ) from None
+
+    def _state(self, h: int):
+        try:
+            return self.objs[h]
+        except KeyError:
+            raise GenerationError(
+                f"{self.member.name}: KV state {h} is gone (the last failed call on this actor: "
+                f"{self.last_error}; or the actor restarted)"
+            ) from None
+
+    # KV states: every forward keeps its log-prob rows under the handle the caller chose
+    def op_prefill(self, h: int, r: int, ids: list[int]) -> None:
+        st = self.objs[h] = self.member.prefill(ids)
+        self.objs[r] = st.next_logprobs[None]
+
+    def op_extend(self, h: int, r: int, ids: list[int], last_only: bool) -> None:
+        self.objs[r] = self.member.extend(self._state(h), ids, last_only=last_only)
+
+    def op_crop(self, h: int, n: int) -> None:
+        self.member.crop(self._state(h), n)
+
+    def op_ensure_next(self, h: int, r: int) -> None:
+        self.objs[r] = self.member.ensure_next(self._state(h))[None]
+
+    def op_scratch_enter(self, h: int) -> None:
+        st = self._state(h)
+        self.member.ensure_next(st)
+        self.scratch.setdefault(h, []).append((len(st.ids), st.next_logprobs, st.next_logits))
+
+    def op_scratch_exit(self, h: int) -> None:
+        st = self._state(h)
+        base, lp, lg = self.scratch[h].pop()
+        self.member.crop(st, base)
+        st.next_logprobs, st.next_logits = lp, lg
+
+    def op_score_inline(self, h: int, cands: list[list[int]], raw: bool, keep: bool) -> list[np.ndarray]:
+        out = self.member.score_inline(self._state(h), cands, raw_logits=raw, keep=keep)
+        return [x.float().cpu().numpy() for x in out]
+
+    def op_keep_candidate(self, h: int, index: int, r: int) -> None:
+        st = self._state(h)
+        self.member.keep_candidate(st, index)
+        self.objs[r] = st.next_logprobs[None]
+
+    def op_drop_candidates(self, h: int) -> None:
+        self.member.drop_candidates(self._state(h))
+
+    def op_score_prompt(self, ids: list[int], positions: list[int]) -> list[float]:
+        return self.member.score_prompt(ids, positions)  # the member keeps the state for the next prefill
+
+    def op_target_logprob(self, prompt_ids: list[int], target_ids: list[int]) -> float:
+        return self.member.target_logprob(prompt_ids, target_ids)
+
+    def op_kv_tensor(self, h: int) -> np.ndarray:
+        return self.member.kv_tensor(self._state(h)).float().cpu().numpy()
+
+    def op_forward_rows(self, prefix_kv, paths, tokens) -> tuple:
+        dev, dt = self.member.device, self.member.dtype
+        pre = torch.tensor(prefix_kv).to(dev, dt)
+        cache: dict[int, torch.Tensor] = {}
+
+        def t(x):  # the same array object -> the same tensor (tree attention shares path slices)
+            if id(x) not in cache:
+                cache[id(x)] = torch.tensor(x).to(dev, dt)
+            return cache[id(x)]
+
+        logits, kvs = self.member.forward_rows(pre, [[t(x) for x in p] for p in paths], tokens)
+        return logits.cpu().numpy(), [k.float().cpu().numpy() for k in kvs]
+
+    # rows: small answers only
+    def op_top(self, r: int, i: int, n: int) -> tuple[list[float], list[int]]:
+        row = self._row(r, i)
+        vals, ids = torch.topk(row, min(n, row.shape[-1]))
+        return vals.tolist(), ids.tolist()
+
+    def op_take(self, r: int, i: int, ids: list[int]) -> list[float]:
+        return self._row(r, i)[ids].tolist() if ids else []
+
+    def op_query(self, r: int, i: int, ids: list[int]) -> tuple[int, list[float]]:
+        row = self._row(r, i)
+        return int(torch.argmax(row)), (row[ids].tolist() if ids else [])
+
+    def op_pick(self, r: int, i: int, temperature: float, top_p: float, seed: int | None) -> int:
+
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        return pick_token(self._row(r, i), temperature, top_p, gen)
+
+    def op_mask(self, r: int, i: int, new: int, bits: np.ndarray, n: int, adds: list, k: int) -> tuple:
+        row = self._row(r, i)
+        allowed = torch.from_numpy(np.unpackbits(bits)[:n].astype(bool)).to(row.device)
+        out = row.masked_fill(~allowed, float("-inf"))
+        for heir, v in adds:
+            out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
+        self.objs[new] = out[None]
+        vals, ids = torch.topk(out, min(k, out.shape[-1]))
+        return vals.tolist(), ids.tolist()
+
+    def op_merge(self, r: int, i: int, merges: list) -> None:
+        out = self._row(r, i)
+        for heir, t in merges:
+            out[heir] = torch.logaddexp(out[heir], out[t])
+            out[t] = float("-inf")
+
+    def op_fetch(self, r: int, i: int) -> np.ndarray:
+        return self._row(r, i).float().cpu().numpy()
+
+    # smc: the member's byte LM lives here; beams are handles
+    def op_bytelm(self, L: int, beam_width: int, prune: float, temperature: float, keep_fresh: bool) -> None:
+
+        self.objs[L] = ByteLM(self.member, beam_width, prune, temperature, keep_fresh=keep_fresh)
+
+    def op_bytelm_start(self, L: int, b: int, ids: list[int]) -> int:
+        beam = self.objs[b] = self._state(L).start(ids)
+        return beam.tokens
+
+    def op_bytelm_next(self, L: int, beams: list[int]) -> np.ndarray:
+        return self._state(L).next_logprobs([self._state(b) for b in beams])
+
+    def op_bytelm_advance(self, L: int, pairs: list[tuple[int, int, int]]) -> list[int]:
+        lm, out = self._state(L), []
+        for new, old, byte in pairs:
+            beam = self.objs[new] = lm.advance(self._state(old), byte)
+            out.append(beam.tokens)
+        return out
+
+    def op_bytelm_compact(self, L: int, beams: list[int]) -> int:
+        lm = self._state(L)
+        lm.compact([self.objs[b] for b in beams if b in self.objs])
+        return lm.heals
+
+    def op_counters(self) -> tuple[int, float, int]:
+        m = self.member
+        return m.n_forward, m.forward_time, m.n_prefill

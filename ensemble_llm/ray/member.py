@@ -1,0 +1,241 @@
+"""`RayMember`: the caller-side member of placement="ray", the `TokenLM` protocol over a member's
+actor (tokenization and chat rendering stay in the caller, forwards run on the actor)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import GenerationError
+from ..members.member import TokenizerView, current_guard
+from .actor import MAX_RESTARTS, WAIT_SLICE_S, _ray, payload_bytes
+from .handles import Pending, RemoteByteLM, RemoteRow, RemoteRows, RemoteState
+
+
+class RayMember(TokenizerView):
+    """A member whose model runs in a Ray actor (see the module docstring)."""
+
+    remote = True
+
+    def __init__(self, actor, info: dict, tokenizer, *, spec: str, resources: dict) -> None:
+        self.actor, self.spec, self.resources = actor, spec, resources
+        self.placement_group = None  # the Ray placement group its bundle belongs to
+        self._init_tokens(info["name"], tokenizer, info["vocab_size"], info["eos_ids"], info["source"])
+        self.context_window = int(info["context_window"])
+        self.n_params = int(info["n_params"])
+        self.dtype = info["dtype"]  # the actor's torch dtype, as a string
+        self.actor_device = info["device"]
+        self.device = torch.device("cpu")  # where the caller's own (small) tensors live
+        self._ids = itertools.count(1)
+        self._dead: collections.deque[int] = collections.deque()
+        self.bytes_moved = 0
+        self.round_trips = 0  # waits for an answer (calls that need none are queued without waiting)
+        self._known = (0, 0.0, 0)  # the actor's counters when last read
+
+    def __repr__(self) -> str:
+        return f"RayMember({self.name!r}, actor device={self.actor_device}, dtype={self.dtype})"
+
+    # ---- calls ---------------------------------------------------------------------------
+    def _submit(self, op: str, *args, count: bool = True):
+        dead = []
+        while True:
+            try:
+                dead.append(self._dead.popleft())
+            except IndexError:
+                break
+        if count:
+            self.bytes_moved += payload_bytes(args) + 8 * len(dead)
+        return self.actor.call.remote(op, args, dead)
+
+    def _ask(self, op: str, *args) -> Pending:
+        return Pending(self, self._submit(op, *args))
+
+    def _forward(self, op: str, *args):
+        """A call that runs a forward pass: the request's guard (deadline, cancellation) first."""
+        check = current_guard()
+        if check is not None:
+            check()
+        return self._submit(op, *args)
+
+    def _get_raw(self, ref, check, count: bool = True) -> Any:
+        ray = _ray()
+        while True:
+            try:
+                out = ray.get(ref, timeout=WAIT_SLICE_S)
+                break
+            except ray.exceptions.GetTimeoutError:
+                if check is not None:
+                    check()  # raises past the request's deadline or when its caller went away
+        if count:
+            self.bytes_moved += payload_bytes(out)
+            self.round_trips += 1
+        return out
+
+    def _get(self, ref) -> Any:
+        ray = _ray()
+        try:
+            return self._get_raw(ref, current_guard())
+        except ray.exceptions.RayActorError as exc:
+            raise GenerationError(
+                f"member {self.name!r} (Ray actor) died during the request: {type(exc).__name__}; Ray restarts it "
+                f"(max_restarts={MAX_RESTARTS}) and the next request runs on the new actor"
+            ) from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            raise GenerationError(f"member {self.name!r} (Ray actor) failed: {cause}") from exc
+
+    def counters(self) -> tuple[int, float, int, int, int]:
+        """(forwards, forward seconds, prefills, bytes moved, round trips) so far, read from the actor
+        once every call queued before has run; this read itself is not counted. The engine reads
+        them first thing in every request, so this is also where a request waits for an actor Ray
+        is restarting (within its deadline)."""
+        self._known = self._ready("counters")
+        n, t, p = self._known
+        return n, t, p, self.bytes_moved, self.round_trips
+
+    def _ready(self, op: str, *args) -> Any:
+        """`op`'s answer once the actor is up: while Ray restarts it (after a crash) calls are
+        refused with ActorUnavailableError; wait for it, checking the request's deadline."""
+        ray = _ray()
+        check = current_guard()
+        while True:
+            try:
+                return self._get_raw(self._submit(op, *args, count=False), check, count=False)
+            except ray.exceptions.ActorUnavailableError:
+                if check is not None:
+                    check()
+                time.sleep(WAIT_SLICE_S * 4)
+            except ray.exceptions.RayActorError as exc:
+                raise GenerationError(
+                    f"member {self.name!r} (Ray actor) is dead and Ray will not restart it "
+                    f"({type(exc).__name__}: {exc}); make a new engine to place it again"
+                ) from exc
+            except ray.exceptions.RayTaskError as exc:
+                raise GenerationError(f"member {self.name!r} (Ray actor) failed: {exc.as_instanceof_cause()}") from exc
+
+    @property
+    def n_forward(self) -> int:
+        return self.counters()[0]
+
+    @property
+    def forward_time(self) -> float:
+        return self.counters()[1]
+
+    @property
+    def n_prefill(self) -> int:
+        return self.counters()[2]
+
+    # ---- the TokenLM protocol ------------------------------------------------------------
+    def prefill(self, ids: Sequence[int]) -> RemoteState:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("extend() needs at least one token id")
+        state, rows = RemoteState(self), RemoteRows(self, 1)
+        self._forward("prefill", state.handle.id, rows.handle.id, ids)
+        state.ids, state.next_row = ids, rows[0]
+        return state
+
+    def extend(self, state: RemoteState, ids: Sequence[int], last_only: bool = False) -> RemoteRows:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("extend() needs at least one token id")
+        state.scored = None
+        rows = RemoteRows(self, 1 if last_only else len(ids))
+        self._forward("extend", state.handle.id, rows.handle.id, ids, bool(last_only))
+        state.ids.extend(ids)
+        state.next_row = rows[-1]
+        return rows
+
+    def crop(self, state: RemoteState, n: int) -> None:
+        if not 0 <= n <= len(state.ids):
+            raise ValueError(f"crop({n}) out of range for a state of {len(state.ids)} tokens")
+        if state.scored is None and n == len(state.ids):
+            return
+        state.scored = None
+        self._submit("crop", state.handle.id, int(n))
+        if n < len(state.ids):
+            del state.ids[n:]
+            state.next_row = None
+
+    def ensure_next(self, state: RemoteState) -> RemoteRow:
+        if state.next_row is None:
+            rows = RemoteRows(self, 1)
+            self._forward("ensure_next", state.handle.id, rows.handle.id)
+            state.next_row = rows[0]
+        return state.next_row
+
+    @contextlib.contextmanager
+    def scratch(self, state: RemoteState):
+        base = len(state.ids)
+        self.ensure_next(state)
+        saved = state.next_row
+        self._submit("scratch_enter", state.handle.id)
+        try:
+            yield state
+        finally:
+            self._submit("scratch_exit", state.handle.id)
+            del state.ids[base:]
+            state.next_row, state.scored = saved, None
+
+    def score_inline(
+        self, state: RemoteState, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
+    ) -> list[torch.Tensor]:
+        cands = [[int(t) for t in c] for c in candidates]
+        if not cands or any(len(c) == 0 for c in cands):
+            raise ValueError("score_inline needs non-empty candidates")
+        self.ensure_next(state)
+        out = Pending(self, self._forward("score_inline", state.handle.id, cands, bool(raw_logits), bool(keep))).get()
+        state.scored = cands if keep else None
+        return [torch.tensor(x) for x in out]
+
+    def keep_candidate(self, state: RemoteState, index: int) -> None:
+        if state.scored is None:
+            raise ValueError("keep_candidate needs a score_inline(keep=True) first")
+        rows = RemoteRows(self, 1)
+        self._submit("keep_candidate", state.handle.id, int(index), rows.handle.id)
+        state.ids.extend(state.scored[index])
+        state.next_row, state.scored = rows[0], None
+
+    def drop_candidates(self, state: RemoteState) -> None:
+        if state.scored is not None:
+            self._submit("drop_candidates", state.handle.id)
+            state.scored = None
+
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
+        """`Member.score_prompt` on the actor: the prompt's state stays there for the next prefill."""
+        return Pending(self, self._forward("score_prompt", [int(i) for i in ids], [int(p) for p in positions])).get()
+
+    def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
+        return Pending(
+            self, self._forward("target_logprob", [int(i) for i in prompt_ids], [int(i) for i in target_ids])
+        ).get()
+
+    def kv_tensor(self, state: RemoteState) -> torch.Tensor:
+        """The state's whole KV cache, fetched (smc runs its byte LM on the actor instead)."""
+        return torch.tensor(self._ask("kv_tensor", state.handle.id).get())
+
+    def forward_rows(self, prefix_kv, paths, tokens):
+        """`Member.forward_rows` with the KV slices shipped both ways (smc uses `byte_lm` instead)."""
+        arrays: dict[int, np.ndarray] = {}
+
+        def a(x):
+            if id(x) not in arrays:
+                arrays[id(x)] = x.float().cpu().numpy()
+            return arrays[id(x)]
+
+        logits, kvs = Pending(
+            self,
+            self._forward("forward_rows", a(prefix_kv), [[a(x) for x in p] for p in paths], [int(t) for t in tokens]),
+        ).get()
+        return torch.tensor(logits), [torch.tensor(k) for k in kvs]
+
+    def byte_lm(
+        self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False
+    ) -> RemoteByteLM:
+        return RemoteByteLM(self, beam_width, prune_threshold, temperature, keep_fresh)

@@ -1,0 +1,176 @@
+"""The house floor by floor: every `ensemble_llm` module sits on a floor and imports only from its
+own floor or lower ones, lazy imports (inside functions) included, with no circle anywhere; the
+HTTP client imports neither torch nor transformers. The floors are the README's layout section."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "ensemble_llm"
+
+# floor -> modules (dotted, without the "ensemble_llm." prefix; "members" is members/__init__.py)
+FLOORS = {
+    0: {"errors", "results", "stopping", "streams"},
+    1: {
+        "members",
+        "members.registry",
+        "members.fetch",
+        "members.convert",
+        "members.rows",
+        "members.vocab",
+        "members.protocol",
+        "members.member",
+        "members.bytelm",
+        "members.loader",
+        "ray",
+        "ray.actor",
+        "ray.handles",
+        "ray.member",
+        "ray.placement",
+    },
+    2: {"constraints", "guide", "chat", "params", "evidence", "calibrate", "requests", "placement", "worker", "tools"},
+    3: {
+        "methods",
+        "methods.base",
+        "methods.align",
+        "methods.single",
+        "methods.unite",
+        "methods.safe",
+        "methods.specfuse",
+        "methods.smc",
+        "methods.text",
+    },
+    4: {"engine"},
+    5: {"", "__main__", "serve", "client", "bench", "bench_constraints", "cli"},
+}
+FLOOR = {m: f for f, ms in FLOORS.items() for m in ms}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(path: Path) -> set[str]:
+    """The ensemble_llm modules a file imports anywhere in its body (annotation-only imports under
+    `if TYPE_CHECKING:` excluded), resolved to the modules in FLOOR."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def resolve(mod: str) -> str | None:  # the longest known module that `mod` names
+        while mod not in FLOOR and "." in mod:
+            mod = mod.rpartition(".")[0]
+        return mod if mod in FLOOR else None
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                mod = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "ensemble_llm" or node.module.startswith("ensemble_llm.")):
+                mod = node.module.removeprefix("ensemble_llm").lstrip(".")
+            else:
+                mod = None
+            if mod is not None:
+                for alias in node.names:  # `from . import x` may name a submodule
+                    target = resolve(f"{mod}.{alias.name}" if f"{mod}.{alias.name}".lstrip(".") in FLOOR else mod)
+                    if target is not None:
+                        out.add(target.lstrip("."))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("ensemble_llm"):
+                    target = resolve(alias.name.removeprefix("ensemble_llm").lstrip("."))
+                    if target is not None:
+                        out.add(target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    out.discard(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in sorted(ROOT.rglob("*.py"))}
+
+
+def test_every_module_has_a_floor():
+    missing = sorted(set(graph()) - set(FLOOR))
+    gone = sorted(set(FLOOR) - set(graph()))
+    assert not missing, f"modules without a floor (add them to FLOORS and the README's layout): {missing}"
+    assert not gone, f"FLOORS names modules that no longer exist: {gone}"
+
+
+def test_no_import_reaches_up_a_floor():
+    up = [
+        f"{a or 'ensemble_llm'} (floor {FLOOR.get(a)}) imports {b} (floor {FLOOR.get(b)})"
+        for a, deps in graph().items()
+        for b in deps
+        if FLOOR.get(b, 99) > FLOOR.get(a, -1)
+    ]
+    assert not up, "\n".join(up)
+
+
+def test_no_import_circle():
+    g = graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def walk(a: str) -> list[str] | None:
+        state[a] = 1
+        path.append(a)
+        for b in sorted(g.get(a, ())):
+            if state.get(b) == 1:
+                return path[path.index(b) :] + [b]
+            if b not in state:
+                found = walk(b)
+                if found:
+                    return found
+        state[a] = 2
+        path.pop()
+        return None
+
+    for a in sorted(g):
+        if a not in state:
+            circle = walk(a)
+            assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_checker_sees_lazy_and_relative_imports(tmp_path):
+    """The checker is not blind: a lazy relative import inside a function is found and resolved."""
+    deps = imports_of(ROOT / "cli.py")
+    assert {"bench", "serve", "members.fetch"} <= deps  # cli imports these inside its commands
+    assert "members.member" in imports_of(ROOT / "members" / "loader.py")
+
+
+@pytest.mark.parametrize(
+    "module", ["ensemble_llm.client", "ensemble_llm.errors", "ensemble_llm.results", "ensemble_llm.params"]
+)
+def test_light_modules_import_without_torch(module):
+    code = (
+        f"import sys, {module}\n"
+        "heavy = [m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
