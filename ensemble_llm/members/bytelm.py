@@ -312,23 +312,6 @@ class ByteLM:
         return [Hyp(ctx, last, lp, lp + math.log(m))] if m > 0 else []
 
 
-def make_byte_lm(
-    member: Member,
-    beam_width: int = 5,
-    prune_threshold: float = 0.0,
-    temperature: float = 1.0,
-    keep_fresh: bool = False,
-):
-    """The member's byte LM: a `ByteLM` here, or, for a member in a Ray actor, one on its actor
-    (`RemoteByteLM`: the same interface, 257 log-probs per beam cross the wire)."""
-    return member.byte_lm(beam_width, prune_threshold, temperature, keep_fresh)
-
-
-def next_logprobs_async(lm, beams):
-    """`lm.next_logprobs(beams)` as something with `.get()`: a remote byte LM is asked at once."""
-    return lm.next_logprobs_async(beams)
-
-
 def byte_trie(member: Member) -> VocabTrie:
     """The member's VocabTrie, built once per member (owned by its Vocab)."""
     return member.vocab.trie()

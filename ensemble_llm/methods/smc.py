@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError, GenerationError, RequestError
 from ..guide import CLOSE_MARGIN
-from ..members.bytelm import EOS, make_byte_lm, next_logprobs_async
+from ..members.bytelm import EOS
 from .base import Method, Request, RunStats
 
 NEG_INF = -math.inf
@@ -169,7 +169,8 @@ def _extensions(
     then pi_f restricted to the grammar's strings, and SMC's weights (the allowed mass) and the
     beam's scores follow that target exactly."""
     # every member is asked before any answer is read: members in Ray actors compute in parallel
-    asks = [next_logprobs_async(lm, [p.states[k] for p in rows]) for k, lm in enumerate(lms)]
+    # every member is asked before any answer is read: byte LMs in Ray actors answer in parallel
+    asks = [lm.next_logprobs_async([p.states[k] for p in rows]) for k, lm in enumerate(lms)]
     logq = np.stack([a.get() for a in asks], axis=1)
     lp = np.stack([p.lp for p in rows])
     joint = lp[:, :, None] + logq
@@ -376,7 +377,7 @@ class Smc(Method):
         generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
         search = req.temperature == 0 and cfg.greedy == "beam"
         lms = [
-            make_byte_lm(m, cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
+            m.byte_lm(cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
             for m in self.members
         ]
         starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
