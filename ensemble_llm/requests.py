@@ -17,7 +17,7 @@ from .params import FIELDS as PARAM_FIELDS
 from .params import GenerationParams, _check_text
 
 ROLES = ("system", "user", "assistant", "tool")
-MEMBER_KEYS = ("model", "preamble")
+MEMBER_KEYS = ("model", "preamble", "revision", "device_map", "max_memory", "offload_folder")
 
 
 class Settings(TypedDict, total=False):
@@ -162,14 +162,34 @@ def check_prompt(prompt: Any, raw: bool) -> str | list[dict]:
     raise RequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}")
 
 
-def member_spec(spec: Any, i: int) -> tuple[Any, list[dict] | None]:
-    """A member is a model (bundled name, folder, .gguf, hub id) or a dict {"model": ...,
-    "preamble": [messages]} that pairs the model with turns put before its chat prompts."""
+@dataclass(frozen=True)
+class MemberSpec:
+    """One member as the caller gave it: the model, the turns put before its chat prompts, and
+    its loading options (`MemberOptions`: revision, device_map, max_memory, offload_folder).
+    It still unpacks as the former (model, preamble) pair."""
+
+    model: Any
+    preamble: list[dict] | None = None
+    options: Any = None  # MemberOptions (members/options.py); imported lazily: this module needs no torch
+
+    def __iter__(self):
+        return iter((self.model, self.preamble))
+
+
+def member_spec(spec: Any, i: int) -> MemberSpec:
+    """A member is a model (bundled name, folder, .gguf, hub id, 'org/repo:file.gguf') or a dict
+    {"model": ..., "preamble": [messages], "revision": ..., "device_map": ..., "max_memory": ...,
+    "offload_folder": ...} that pairs the model with turns put before its chat prompts and with
+    its loading options."""
+    from .members.options import NO_OPTIONS, member_options
+
     if not isinstance(spec, dict):
-        return spec, None
+        return MemberSpec(spec, None, NO_OPTIONS)
     unknown = sorted(set(spec) - set(MEMBER_KEYS))
     if unknown or "model" not in spec:
         raise ConfigError(
             f"member {i} is a dict, so it needs a 'model' and may have {list(MEMBER_KEYS[1:])}; got keys {sorted(spec)}"
         )
-    return spec["model"], check_preamble(spec.get("preamble"), f"member {i} ({spec['model']})")
+    where = f"member {i} ({spec['model']})"
+    options = member_options({k: v for k, v in spec.items() if k not in ("model", "preamble")}, where)
+    return MemberSpec(spec["model"], check_preamble(spec.get("preamble"), where), options)

@@ -1,5 +1,5 @@
-"""Resolve a member spec (bundled name, local folder, local .gguf, cached hub id) and load it once
-per process."""
+"""Floor 1: resolve a member spec (bundled name, local folder, local .gguf, hub id, 'org/repo:file.gguf')
+and load it once per process, on one device or spread by accelerate (device_map, max_memory)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import torch
 from ..errors import ConfigError, ModelNotFoundError
 from .convert import convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
 from .fetch import cache_root, fetch_bundled
+from .hub import hub_file, hub_folder, split_hub_ref
 from .member import Member
+from .options import NO_OPTIONS, MemberOptions
 from .registry import BUNDLED
 
 
@@ -23,8 +25,8 @@ from .registry import BUNDLED
 class Source:
     """Where a member's weights come from, resolved without loading anything."""
 
-    kind: str  # "bundled" | "dir" | "gguf" | "hub"
-    ref: str  # bundled name, absolute path or hub id
+    kind: str  # "bundled" | "dir" | "gguf" | "hub" | "hub-gguf"
+    ref: str  # bundled name, absolute path, hub id or "org/repo:file.gguf"
     name: str  # short display name
 
 
@@ -36,6 +38,9 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     if text in BUNDLED:
         return Source("bundled", text, text)
     path = Path(text).expanduser()
+    hub = split_hub_ref(text)
+    if hub is not None and hub[1] is not None and not path.exists():
+        return Source("hub-gguf", text, Path(hub[1]).stem)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {path} does not exist; pass the path of an existing .gguf file.")
@@ -50,12 +55,21 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     if path.is_dir():
         check_model_folder(path)
         return Source("dir", str(path.resolve()), path.name)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+    if hub is not None:
         return Source("hub", text, text.split("/")[1])
     raise ModelNotFoundError(
         f"unknown model {text!r}. Use a bundled name ({', '.join(sorted(BUNDLED))}), a local transformers "
-        "folder, a local .gguf file, or a hub id ('org/name') already in the local Hugging Face cache."
+        "folder, a local .gguf file, a hub id ('org/name') or a GGUF file in a hub repo ('org/name:file.gguf')."
     )
+
+
+def check_options(source: Source, options: MemberOptions) -> None:
+    """Options that do not apply to this kind of source are an error, not ignored."""
+    if options.revision is not None and source.kind not in ("hub", "hub-gguf"):
+        raise ConfigError(
+            f"member {source.ref!r} is a {source.kind} model, but revision={options.revision!r} applies to hub "
+            "ids only; drop the revision or name the hub id."
+        )
 
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -125,8 +139,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return table[dtype]
 
 
-def local_dir(source: Source, cache_dir=None, progress: bool = True) -> Path:
-    """A transformers folder for `source`, fetching and converting once if needed."""
+def local_dir(source: Source, cache_dir=None, progress: bool = True, revision: str | None = None) -> Path:
+    """A transformers folder for `source`, fetching (or downloading from the hub) and converting
+    once if needed; `revision` is a hub branch, tag or commit."""
     root = cache_root(cache_dir)
     if source.kind == "dir":
         return Path(source.ref)
@@ -145,17 +160,16 @@ def local_dir(source: Source, cache_dir=None, progress: bool = True) -> Path:
         if not is_converted(out):
             convert_gguf(p, out)
         return out
-    # hub id: only what is already in the local HF cache
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(source.ref, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001
-        raise ModelNotFoundError(
-            f"hub model {source.ref!r} is not in the local Hugging Face cache and ensemble_llm works offline. "
-            f"Download it once where the hub is reachable (`huggingface-cli download {source.ref}`), or pass a "
-            "local folder, a .gguf file or a bundled name."
-        ) from exc
+    if source.kind == "hub-gguf":
+        repo, filename = split_hub_ref(source.ref)
+        gguf = hub_file(repo, filename, revision, progress=progress)
+        blob = gguf.resolve()  # huggingface_hub names a blob by its etag (sha256 for LFS files)
+        key = hashlib.sha256(f"{repo}|{filename}|{blob.name}|{blob.stat().st_size}".encode()).hexdigest()[:12]
+        out = root / "converted" / f"{Path(filename).stem}-{key}"
+        if not is_converted(out):  # convert_gguf locks the folder and renames it into place when complete
+            convert_gguf(gguf, out, {"hub": source.ref, "revision": revision or "main"})
+        return out
+    return hub_folder(source.ref, revision, progress=progress)
 
 
 def tokenizer_dir(name: str, cache_dir=None, progress: bool = True) -> Path:
@@ -176,14 +190,43 @@ _CACHE_LOCK = threading.Lock()
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 
 
+def placement_kwargs(dev: torch.device, options: MemberOptions) -> dict:
+    """from_pretrained's placement arguments: the whole member on `dev`, or accelerate's
+    device_map / max_memory / offload_folder (the member may span GPUs, the CPU and disk)."""
+    if not options.spans:
+        return {"device_map": {"": dev}}
+    kw: dict = {"device_map": options.device_map_arg()}
+    if options.max_memory is not None:
+        kw["max_memory"] = options.max_memory_dict()
+    if options.offload_folder is not None:
+        Path(options.offload_folder).expanduser().mkdir(parents=True, exist_ok=True)
+        kw["offload_folder"] = str(Path(options.offload_folder).expanduser())
+    return kw
+
+
 def load_member(
-    spec, *, device="auto", dtype="auto", cache_dir=None, trust_remote_code: bool = False, progress: bool = True
+    spec,
+    *,
+    device="auto",
+    dtype="auto",
+    cache_dir=None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+    options: MemberOptions | None = None,
+    context_tokens: int | None = None,
 ) -> Member:
-    """Load (once per process) the member described by `spec` on `device`."""
+    """Load (once per process) the member described by `spec` on `device` (or where its
+    `options` place it). Before anything is downloaded or loaded, the member's memory plan
+    (members/plan.py: weights + KV cache for `context_tokens`, default min(4096, its context
+    window)) is checked against what its devices have free: ConfigError with the numbers."""
+    from .plan import plan_members
+
+    options = options or NO_OPTIONS
     source = resolve_source(spec)
+    check_options(source, options)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    key = (source, str(dev), str(dt), str(cache_dir), trust_remote_code)
+    key = (source, str(dev), str(dt), str(cache_dir), trust_remote_code, options)
     with _CACHE_LOCK:
         lock = _KEY_LOCKS.setdefault(key, threading.Lock())
     with lock:  # one load per model; different models may load in parallel
@@ -191,15 +234,16 @@ def load_member(
             return _CACHE[key]
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        folder = local_dir(source, cache_dir, progress=progress)
+        plan_members([source], [dev], [dt], [options], cache_dir, context_tokens=context_tokens).check()
+        folder = local_dir(source, cache_dir, progress=progress, revision=options.revision)
         t0 = time.perf_counter()
         tokenizer = (
             load_cached_tokenizer(folder)
-            if source.kind in ("bundled", "gguf")
+            if source.kind in ("bundled", "gguf", "hub-gguf")
             else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         )
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dt, device_map={"": dev}, trust_remote_code=trust_remote_code
+            folder, dtype=dt, trust_remote_code=trust_remote_code, **placement_kwargs(dev, options)
         )
         member = Member(source.name, model, tokenizer, source=str(folder))
         member.load_seconds = time.perf_counter() - t0

@@ -125,13 +125,39 @@ class TokenizerView:
         return ([self.bos_id] + ids) if self.adds_bos else ids
 
 
+def execution_device(module) -> torch.device | None:
+    """Where `module` computes: the device accelerate runs it on (its layers may be offloaded to
+    the CPU or disk), else the device of its first parameter that is not on the meta device."""
+    hook = getattr(module, "_hf_hook", None)
+    dev = getattr(hook, "execution_device", None)
+    if dev is not None:
+        return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return None
+
+
+def layer_devices(model, default: torch.device) -> list[torch.device]:
+    """The device of each decoder layer, in order (one KV-cache layer each)."""
+    try:
+        layers = model.get_decoder().layers
+    except (AttributeError, TypeError):
+        return []
+    return [execution_device(layer) or default for layer in layers]
+
+
 class Member(TokenizerView):
-    """A causal LM + tokenizer on one device, with forward-pass counters for stats."""
+    """A causal LM + tokenizer, with forward-pass counters for stats. Its layers may sit on one
+    device or be spread by accelerate (device_map, max_memory: GPUs, CPU, disk offload): inputs go
+    to the device of the input embeddings (`device`), logits and KV slices come back there."""
 
     def __init__(self, name: str, model, tokenizer, *, source: str = "") -> None:
         self.model = model.eval()
-        self.device = next(model.parameters()).device
+        self.device = execution_device(model.get_input_embeddings()) or torch.device("cpu")
         self.dtype = next(model.parameters()).dtype
+        self.layer_devices = layer_devices(model, self.device)
+        self.device_map = dict(getattr(model, "hf_device_map", None) or {})  # accelerate's placement, if any
         cfg = model.config.get_text_config(decoder=True)
         self.context_window = int(getattr(cfg, "max_position_embeddings", None) or 2048)
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -163,7 +189,7 @@ class Member(TokenizerView):
             check()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model(**kw).logits
+            logits = self.model(**kw).logits.to(self.device)  # a no-op unless the head sits elsewhere
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.n_forward += 1
@@ -295,8 +321,16 @@ class Member(TokenizerView):
     # ---- many contexts at once (SMC): a prompt cache plus per-token KV slices ----------------
     @staticmethod
     def kv_tensor(state: KVState) -> torch.Tensor:
-        """The cache of `state` as one tensor [layers, 2, kv_heads, tokens, head_dim] (keys, values)."""
-        return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in state.cache.layers])
+        """The cache of `state` as one tensor [layers, 2, kv_heads, tokens, head_dim] (keys, values),
+        on the device of the first layer's cache."""
+        layers = state.cache.layers
+        dev = layers[0].keys.device
+        return torch.stack([torch.stack([layer.keys[0].to(dev), layer.values[0].to(dev)]) for layer in layers])
+
+    def _cache_from(self, kv: torch.Tensor) -> DynamicCache:
+        """A cache holding `kv` [layers, 2, heads, tokens, dim], each layer on its layer's device."""
+        devs = self.layer_devices if len(self.layer_devices) == kv.shape[0] else [kv.device] * kv.shape[0]
+        return DynamicCache(ddp_cache_data=[(kv[i, 0][None].to(d), kv[i, 1][None].to(d)) for i, d in enumerate(devs)])
 
     def forward_rows(
         self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]], tokens: Sequence[int]
@@ -325,7 +359,7 @@ class Member(TokenizerView):
                     node_pos.append(n_prefix + depth)
         n_ctx, b = n_prefix + len(nodes), len(tokens)
         kv = torch.cat([prefix_kv] + nodes, dim=3) if nodes else prefix_kv  # [layers, 2, heads, T+N, dim]
-        cache = DynamicCache(ddp_cache_data=[(kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])])
+        cache = self._cache_from(kv)
         neg = torch.finfo(self.dtype).min
         mask = torch.full((b, n_ctx + b), neg, dtype=self.dtype, device=self.device)
         mask[:, :n_prefix] = 0.0
@@ -348,8 +382,9 @@ class Member(TokenizerView):
             cache=cache,
             use_cache=True,
         )[0]
+        to = kv.device
         new = torch.stack(
-            [torch.stack([layer.keys[0, :, n_ctx:], layer.values[0, :, n_ctx:]]) for layer in cache.layers]
+            [torch.stack([c.keys[0, :, n_ctx:].to(to), c.values[0, :, n_ctx:].to(to)]) for c in cache.layers]
         )  # [layers, 2, heads, B, dim]
         return logits.float(), [new[:, :, :, r : r + 1].clone() for r in range(b)]
 
