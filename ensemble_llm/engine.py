@@ -1,11 +1,11 @@
-"""`Ensemble`: owns the members and one method; generate / stream / agenerate / astream.
+"""`Ensemble` (floor 4): owns the members and one method; generate / stream / agenerate / astream.
 
 Requests are checked before anything is queued (requests.py), run one at a time on the engine's
 worker thread (worker.py) and reach their callers through a stream (streams.py). Each request is
-a pipeline of named steps here: every member's prompt, this request's member weights
+a pipeline of named steps (pipeline.py): every member's prompt, this request's member weights
 (evidence.py), the method's run under the stop matcher and the tool-markup filter, the tool
-policy, and the result with its usage and stats. A failed request raises in its caller and
-leaves the engine usable.
+policy (tools.py), and the result with its usage and stats. A failed request raises in its
+caller and leaves the engine usable.
 """
 
 from __future__ import annotations
@@ -14,25 +14,20 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Unpack
 
-import torch
-
-from .chat import BASE_PREAMBLE, chat_stops, member_messages, render_chat, with_preamble
-from .errors import ConfigError, RequestError
-from .evidence import request_weights
-from .guide import Guide
+from .chat import BASE_PREAMBLE, render_chat, with_preamble
+from .errors import ConfigError
 from .members import DEFAULT_MODELS, Member, load_member, resolve_source
 from .members.loader import local_dir
-from .methods import Request, get_method
+from .methods import get_method
 from .params import GenerationParams
+from .pipeline import make_result, member_prompts, run_method
 from .placement import plan_placement
 from .requests import Job, Settings, make_job, member_spec
-from .results import GenerationResult, ToolCall, Usage
-from .stopping import StopMatcher
+from .results import GenerationResult
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
-from .tools import ToolTextFilter, tool_policy
+from .tools import tool_policy
 from .worker import Worker
 
 __all__ = ["ENGINE_OPTIONS", "AsyncTextStream", "Ensemble", "GenerationResult", "TextStream"]
@@ -51,30 +46,6 @@ ENGINE_OPTIONS = (
     "ray_address",
     "member_resources",
 )
-
-
-def _jsonable(entry: dict) -> dict:
-    """A trace entry with byte strings as text (EOS as '<eos>'), ready for JSON."""
-    out = {}
-    for k, v in entry.items():
-        if isinstance(v, bytes):
-            v = v.decode("utf-8", errors="replace")
-        elif v is not None and not isinstance(v, (str, int, float, bool, list, dict)):
-            v = "<eos>"
-        out[k] = v
-    return out
-
-
-@dataclass
-class _Run:
-    """One method run of a request: its Request (stats, finish reason) and the reply's parts."""
-
-    req: Request
-    filter: ToolTextFilter
-    tail: str = ""
-    text: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)  # the engine's own figures (tool policy)
 
 
 class Ensemble:
@@ -349,138 +320,17 @@ class Ensemble:
         before = [m.counters() for m in self.members]
         out, choice, retried = Output(emit, t0), job.params.tool_choice, None
         while True:
-            texts, stops = self._prompts(job, choice)
+            texts, stops = member_prompts(self, job, choice)
             weights, main = self.member_weights("raw" if job.params.raw else "chat")
             job.check_deadline()  # calibrating may have used it up
-            run = self._run(job, texts, stops, weights, main, out, cancel)
+            run = run_method(self._method, self.members, job, texts, stops, weights, main, out, cancel)
             weights, main = run.req.weights, run.req.main  # this request's own (evidence.py)
             calls, again = tool_policy(job.prompt, run.calls, run.text, choice, run.notes)
             if not again:
                 break
             choice, retried = "none", run  # only a repeated call was written: answer again without tools
-        result = self._result(job, run, calls, texts[main], weights, main, before, out)
+        result = make_result(self, job, run, calls, texts[main], weights, main, before, out)
         if retried is not None:
             result.stats["answered_without_tools_after_repeated_call"] = True
             result.stats["repeated_tool_calls_dropped"] = retried.notes["repeated_tool_calls_dropped"]
         return result
-
-    def _prompts(self, job: Job, tool_choice: str) -> tuple[list[str], list[str]]:
-        """Each member's prompt text (its own chat template or plain transcript) and the stops."""
-        texts, stops = [], list(job.params.stop)
-        tools = list(job.params.tools) if job.params.tools else None
-        for i, m in enumerate(self.members):
-            if job.params.raw:
-                texts.append(job.prompt)
-                continue
-            msgs = [{"role": "user", "content": job.prompt}] if isinstance(job.prompt, str) else job.prompt
-            msgs = with_preamble(self.member_preamble(i), msgs)
-            msgs, member_tools = member_messages(m, msgs, tools, tool_choice)
-            texts.append(render_chat(m, msgs, tools=member_tools))
-            stops += [s for s in chat_stops(m) if s not in stops]
-        return [t + job.head for t in texts], stops
-
-    def _run(
-        self,
-        job: Job,
-        texts: list[str],
-        stops: list[str],
-        weights: list[float],
-        main: int,
-        out: Output,
-        cancel: threading.Event,
-    ) -> "_Run":
-        """The method's run on every member's prompt, under the request's deadline, its text
-        passed through the stop matcher and the tool-markup filter to the caller."""
-        p, members = job.params, self.members
-        prompt_ids = [m.prompt_ids(t) for m, t in zip(members, texts)]
-        room = []
-        for m, ids in zip(members, prompt_ids):
-            if len(ids) >= m.context_window:
-                raise RequestError(
-                    f"the prompt is {len(ids)} tokens for {m.name}, whose context window is "
-                    f"{m.context_window}; shorten the prompt or drop that member."
-                )
-            room.append(m.context_window - len(ids))
-        run_notes: dict[str, Any] = {}
-        weights, main = request_weights(
-            self._method, members, job.prompt, p.raw, texts, prompt_ids, weights, main, run_notes
-        )
-        generator = torch.Generator()
-        generator.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        req = Request(
-            prompt_ids,
-            min(p.max_new_tokens, *room),
-            p.temperature,
-            p.top_p,
-            generator,
-            stop=list(stops),
-            weights=weights,
-            main=main,
-            guide=Guide(p.constraint, members) if p.constraint else None,
-            trace=[] if p.trace else None,
-        )
-        # holds back tool-call markup and passes content through; with tool_choice "none" a call
-        # the model writes anyway (imitating its history) is cut from the content, not returned
-        run = _Run(req, ToolTextFilter(list(p.tools) if p.tools else None), notes=run_notes)
-        matcher = StopMatcher(stops)
-        if job.head:  # the reply's fixed start, given at the end of the prompts
-            out.send(run.filter.feed(job.head))
-        gen = self._method.run(req)
-        try:
-            for piece in gen:
-                job.check_deadline()
-                out.send(run.filter.feed(matcher.feed(piece)))
-                if matcher.stopped or cancel.is_set():
-                    req.finish_reason = "stop"
-                    break
-        finally:
-            gen.close()
-        out.send(run.filter.feed(matcher.flush()))
-        run.tail, run.text, run.calls = run.filter.finish()
-        out.send(run.tail)
-        return run
-
-    def _result(
-        self,
-        job: Job,
-        run: _Run,
-        calls: list[ToolCall],
-        main_prompt: str,
-        weights: list[float],
-        main: int,
-        before: list[tuple[int, float, int, int, int]],
-        out: Output,
-    ) -> GenerationResult:
-        members, req = self.members, run.req
-        stats = {**req.stats.to_dict(), **run.notes}
-        raw_text = run.filter.text
-        written = raw_text.removeprefix(job.head)  # the head was in the prompt, not generated
-        usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(written)) if written else 0)
-        stats["members"] = {}
-        moved = 0
-        for m, (n0, t0, p0, b0, r0) in zip(members, before):
-            n, t, p, b, r = m.counters()
-            stats["members"][m.name] = {
-                "forward_passes": n - n0,
-                "forward_time_s": round(t - t0, 4),
-                "prefills": p - p0,
-            }
-            if self.placement == "ray":  # payload bytes to and from the member's actor, waits for its answers
-                stats["members"][m.name].update(bytes_moved=b - b0, round_trips=r - r0)
-                moved += b - b0
-        if self.placement == "ray":
-            stats["bytes_moved"] = moved
-            stats["bytes_moved_per_token"] = round(moved / max(1, req.stats.tokens_out), 1)
-        if len(members) > 1 and self._method.name != "single":
-            stats["member_weights"] = {m.name: round(w, 4) for m, w in zip(members, weights)}
-            stats["main_member"] = members[main].name
-        if req.guide is not None:
-            stats.update(req.guide.stats())
-        if req.trace is not None:
-            stats["trace"] = [_jsonable(e) for e in req.trace]
-        stats["time_s"] = round(time.perf_counter() - out.t0, 4)
-        stats["time_to_first_chunk_s"] = None if out.first is None else round(out.first, 4)
-        finish = "tool_calls" if calls else req.finish_reason
-        return GenerationResult(
-            run.text, finish, usage, stats, self.method_name, self.model_names, calls, raw_text, req.stats
-        )

@@ -13,7 +13,7 @@ from typing import Any
 
 from .constraints import Constraint
 from .errors import RequestError
-from .stopping import stop_list
+from .stopping import StopPolicy, stop_list
 from .tools import check_tool_choice, check_tools, tool_call_constraint
 
 
@@ -55,6 +55,7 @@ class GenerationParams:
     timeout: float | None = None
     max_retries: int = 0
     trace: bool = False
+    stops: StopPolicy = dataclasses.field(init=False, repr=False, compare=False)  # `stop`, normalised once
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values are written once, here
@@ -75,7 +76,8 @@ class GenerationParams:
         stops = stop_list(self.stop)
         for x in stops:
             _check_text(x, f"stop string {x!r}")
-        set_(self, "stop", tuple(x for x in dict.fromkeys(stops) if x))
+        set_(self, "stops", StopPolicy(tuple(stops)))
+        set_(self, "stop", self.stops.strings)
         if not isinstance(self.raw, bool):
             raise RequestError(f"raw must be True or False, got {self.raw!r}")
         to = self.timeout
@@ -118,4 +120,4 @@ class GenerationParams:
         return dataclasses.replace(self, **changes)
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(GenerationParams))
+FIELDS = tuple(f.name for f in dataclasses.fields(GenerationParams) if f.init)

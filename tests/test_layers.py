@@ -47,6 +47,7 @@ FLOORS = {
         "methods.specfuse",
         "methods.smc",
         "methods.text",
+        "pipeline",
     },
     4: {"engine"},
     5: {"", "__main__", "serve", "client", "bench", "bench_constraints", "cli"},

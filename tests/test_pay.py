@@ -15,6 +15,7 @@ from ensemble_llm.calibrate import as_question, em_weights
 from ensemble_llm.chat import BASE_PREAMBLE, check_preamble, with_preamble
 from ensemble_llm.methods.smc import SmcConfig
 from ensemble_llm.methods.unite import UniteConfig
+from ensemble_llm.pipeline import member_prompts
 
 SHOTS = (
     "Q: The capital of Germany is\nA: Berlin\nQ: The capital of Italy is\nA: Rome\n"
@@ -106,14 +107,14 @@ def test_preamble_rules():
 def test_member_dict_gives_that_member_its_preamble(tiny_dirs):
     own = [{"role": "user", "content": "Ping?"}, {"role": "assistant", "content": "Pong."}]
     eng = Ensemble([{"model": tiny_dirs["smol"], "preamble": own}, tiny_dirs["gemma"]], method="unite")
-    texts, _ = eng._prompts(eng._job("What is 2+2?", None, {}), "auto")
+    texts, _ = member_prompts(eng, eng._job("What is 2+2?", None, {}), "auto")
     assert "Ping?" in texts[0] and "Pong." in texts[0] and "Ping?" not in texts[1]
     assert BASE_PREAMBLE[2]["content"] in texts[1]  # Gemma's tokenizer has no template: the built-in one
     assert texts[1].rstrip().endswith("What is 2+2?\nAssistant:")
     off = Ensemble([tiny_dirs["smol"], {"model": tiny_dirs["gemma"], "preamble": []}], method="unite")
-    texts, _ = off._prompts(off._job("What is 2+2?", None, {}), "auto")
+    texts, _ = member_prompts(off, off._job("What is 2+2?", None, {}), "auto")
     assert BASE_PREAMBLE[2]["content"] not in texts[1]
-    raw, _ = eng._prompts(eng._job("Q: x\nA:", None, {"raw": True}), "auto")
+    raw, _ = member_prompts(eng, eng._job("Q: x\nA:", None, {"raw": True}), "auto")
     assert raw == ["Q: x\nA:", "Q: x\nA:"]  # raw prompts are used as they are
     with pytest.raises(ConfigError, match="needs a 'model'"):
         Ensemble([{"preamble": own}])

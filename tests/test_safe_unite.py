@@ -5,6 +5,7 @@ import torch
 
 from ensemble_llm import DEFAULT_MODELS, ConfigError, Ensemble, SafeConfig
 from ensemble_llm.methods import Request
+from ensemble_llm.pipeline import member_prompts
 
 
 @pytest.mark.parametrize("method", ["unite", "safe"])
@@ -76,9 +77,9 @@ def test_consensus_skips_are_lossless_theorem_1(safe_pair):
 @pytest.mark.real
 def test_rollback_leaves_every_cache_equal_to_a_fresh_prefill(safe_pair):
     eng = safe_pair  # drive the method's run() directly: its return value holds the final caches
-    texts, stops = eng._prompts(eng._job("Sofía lives in Madrid. Where does she live?", None, {}), "auto")
+    texts, stops = member_prompts(eng, eng._job("Sofía lives in Madrid. Where does she live?", None, {}), "auto")
     weights, main = eng.member_weights("chat")
-    req = Request([m.prompt_ids(t) for m, t in zip(eng.members, texts)], 40, stop=stops, weights=weights, main=main)
+    req = Request([m.prompt_ids(t) for m, t in zip(eng.members, texts)], 40, stops=stops, weights=weights, main=main)
     gen = eng._method.run(req)
     while True:
         try:

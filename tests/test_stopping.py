@@ -1,8 +1,10 @@
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from ensemble_llm.stopping import StopMatcher
+from ensemble_llm.stopping import StopMatcher, StopPolicy
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -52,3 +54,25 @@ def test_no_stops_passes_through():
     m = StopMatcher([])
     assert m.feed("abc") == "abc"
     assert m.flush() == ""
+
+
+@given(
+    data=st.binary(max_size=12).map(lambda b: bytes(c % 3 + 97 for c in b)),
+    stops=st.lists(st.text("abc", max_size=3), max_size=4),
+    since=st.integers(0, 12),
+)
+def test_stop_policy_end_is_the_first_stop_end_after_since(data, stops, since):
+    """StopPolicy.end against brute force: the smallest end of any stop occurrence ending after `since`."""
+    policy = StopPolicy(tuple(stops))
+    ends = [
+        i + len(s)
+        for s in stops
+        if s
+        for i in range(len(data) - len(s.encode()) + 1)
+        if data[i:].startswith(s.encode()) and i + len(s) > since
+    ]
+    assert policy.end(data, since) == (min(ends) if ends else None)
+    cut = policy.cut_suffix(data)
+    enders = [s for s in stops if s and data.endswith(s.encode())]
+    assert cut == (data[: -len(max(enders, key=len))] if enders else None)
+    assert policy.strings == tuple(s for s in dict.fromkeys(stops) if s)

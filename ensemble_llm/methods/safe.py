@@ -97,181 +97,220 @@ class Safe(Method):
         return self.config.drafter
 
     def run(self, req: Request) -> Iterator[str]:
-        cfg, members = self.config, self.members
-        ordered, weights, dstate, views = start_members(members, req.main, req.weights, req.prompt_ids)
-        wsum = sum(weights)
-        drafter, didx = ordered[0], vocab_index(ordered[0])
-        st = req.stats = SafeStats()
-        trace = req.trace
-        guide, main, plen = req.guide, req.main, len(dstate.ids)
-        text, emit, budget = b"", Emitter(), req.max_new_tokens
-        finished, lookahead = False, cfg.lookahead
-        if guide:
-            guide.check_budget(main, budget)
-        must_close = False  # a drafted or chosen token would have left too little for the completion
-        while not finished and st.tokens_out < budget:
-            forced = guide.forced_tokens(main, dstate.ids[plen:])[: budget - st.tokens_out] if guide else []
-            tail = None
-            if guide and (must_close or not forced):
-                tail = guide.closing(main, text, 0 if must_close else budget - st.tokens_out)
-            if tail is not None or must_close:  # the budget holds just the shortest completion: written now
-                text += tail or b""
-                st.tokens_out += len(guide.spell(main, tail or b""))
-                if trace is not None:
-                    trace.append({"byte": len(text), "reason": "closed", "bytes": len(tail or b"")})
-                piece = emit.take(text)
-                if piece:
-                    yield piece
-                break  # cut by the budget, but closed: finish_reason stays "length"
-            if forced:  # the grammar forces these tokens: written without drafting or verifying
-                guide.forced += len(forced)
-                text += b"".join(didx.key_of(t) for t in forced)
-                st.tokens_out += len(forced)
-                if trace is not None:
-                    trace.append({"byte": len(text), "reason": "forced", "tokens": len(forced)})
-                finished = guide.complete(text)
-                if finished:  # the forced tokens ended the match: the grammar, not the budget, ended the reply
-                    req.finish_reason = "stop"
-                if not finished and st.tokens_out < budget:
-                    drafter.extend(dstate, forced)
-                piece = emit.take(text)
-                if piece:
-                    yield piece
-                continue
-            st.cycles += 1
-            n = min(lookahead, budget - st.tokens_out)
-            base = len(dstate.ids)
-            drafts: list[tuple[int, torch.Tensor]] = []
-            drafted = text
-            for j in range(n):  # 1. draft, up to EOS or a stop string (nothing after either is kept)
-                row = dstate.next_logprobs
-                if guide:  # the drafter writes only what the grammar allows, and what leaves room to close
-                    row = guide.mask_row(main, dstate.ids[plen:], row)
-                    tok = guide.pick(
-                        main,
-                        dstate.ids[plen:],
-                        row,
-                        budget - st.tokens_out - j,
-                        lambda r: pick_token(r, req.temperature, req.top_p, req.generator),
-                    )
-                    if tok is None:
-                        must_close = True
-                        break
-                else:
-                    tok = pick_token(row, req.temperature, req.top_p, req.generator)
-                drafts.append((tok, row))
-                if tok in drafter.eos_ids:
-                    break
-                key = didx.key_of(tok)
-                drafted += key
-                if req.stop_end(drafted, len(drafted) - len(key)) is not None:
-                    break  # the drafter's cache lacks this token: the request ends with this cycle
-                if st.tokens_out + j + 1 < budget:  # the budget's last token needs no forward
-                    drafter.extend(dstate, [tok])
-            if not drafts:  # no token leaves room for the completion: it is written next
-                continue
-            keys = [didx.key_of(t) for t, _ in drafts]
-            starts, pos = [], len(text)
-            for k in keys:
-                starts.append(pos)
-                pos += 0 if k is EOS else len(k)
-            full = text + b"".join(k for k in keys if k is not EOS)
-            cut = valid_utf8_prefix(full)
-            for v in views:  # 2. verify: one forward per verifier
-                v.sync(full[:cut].decode("utf-8"), from_byte=min(len(text), cut))
-            replaced = None
-            for j, ((tok, row), key) in enumerate(zip(drafts, keys)):  # 3-5. check, maybe ensemble
-                b = starts[j]
-                end = b if key is EOS else b + len(key)
-                if end > cut or any(b not in v.rows for v in views):
-                    st.skipped_oov += 1
-                    if trace is not None:
-                        trace.append({"byte": b, "reason": "oov"})
-                    continue
-                vrows = [v.rows[b] for v in views]
-                # Consensus needs the verifiers' own next tokens to be the drafter's token string:
-                # a verifier whose token spans further ("Orange" vs the drafter's "O") has not
-                # agreed, and skipping there is not lossless (found by the Theorem-1 test).
-                # one question per row (the verifiers' argmax and own-token values), all asked first
-                asks = [take_async(row, [tok])] + [
-                    query_async(vrow, vocab_index(v.member).eos if key is EOS else [v.next_tok[b]])
-                    for v, vrow in zip(views, vrows)
-                ]
-                agree, aligned, p_own = True, True, [math.exp(asks[0].get()[0])]
-                for v, ask in zip(views, asks[1:]):
-                    best, vals = ask.get()
-                    if key is EOS:
-                        p_own.append(math.exp(VocabIndex.key_logprobs([EOS], vals, [(0, len(vals))])[0]))
-                        agree &= best in v.member.eos_ids
-                    else:
-                        own = v.next_tok[b]
-                        aligned &= vocab_index(v.member).key_of(own) == key
-                        p_own.append(math.exp(vals[0]))
-                        agree &= own == best
-                # the weighted mean (App. H): above 1/2 the token is the weighted ensemble's argmax
-                p_mean = sum(w * p for w, p in zip(weights, p_own)) / wsum
-                if aligned and (agree or p_mean > cfg.consensus):
-                    st.skipped_consensus += 1
-                    if trace is not None:  # with what UniTE would have picked here (Theorem 1: the same)
-                        dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
-                        trace.append(
-                            {
-                                "byte": b,
-                                "reason": "consensus",
-                                "key": key,
-                                "unite_pick": dist.keys[int(torch.argmax(dist.probs))],
-                            }
-                        )
-                    continue
-                st.tokens_ensembled += 1
-                dist = union_distribution(ordered, [row] + vrows, weights, cfg.top_k)
-                probs = dist.probs
-                if float(probs.max()) < 0.5:
-                    probs = sharpen(dist, top_keys(drafter, row, cfg.top_k), cfg.sharpen, cfg.sharpen_lambda, weights)
-                logp = torch.log(probs)
-                if guide:  # only keys the grammar allows after the text before this token
-                    logp = guide.key_logprobs(full[:b], [None if k is EOS else k for k in dist.keys], logp)
-                    if logp is None:  # none in the union: the drafter's (allowed) token stands
-                        continue
-                choice = dist.keys[pick_token(logp, req.temperature, req.top_p, req.generator)]
-                if trace is not None:
-                    trace.append({"byte": b, "reason": "ensemble", "key": key, "choice": choice})
-                if choice != key:
-                    replaced = (j, choice)
-                    break
-            if replaced is None:
-                st.tokens_out += sum(1 for k in keys if k is not EOS)
-                finished = keys[-1] is EOS or req.stop_end(full, len(text)) is not None
-                text = full
-            else:
-                j, choice = replaced
-                if (
-                    guide
-                    and choice is not EOS
-                    and not guide.fits(main, full[: starts[j]] + choice, budget - st.tokens_out - j - 1)
-                ):
-                    choice, must_close = b"", True  # the completion would not fit after it: closed instead
-                st.replacements += 1
-                new = full[: starts[j]] + (b"" if choice is EOS else choice)
-                st.tokens_out += j + (0 if choice is EOS or not choice else 1)
-                drafter.crop(dstate, base + j)
-                finished = choice is EOS or req.stop_end(new, len(text)) is not None
-                text = new
-                if not finished and st.tokens_out < budget and choice:
-                    drafter.extend(dstate, didx.ids_for(choice))
-            if guide and not finished and guide.complete(text):  # the grammar allows nothing more
-                finished = True
-            if cfg.adaptive:
-                cap = max(cfg.lookahead, cfg.max_lookahead)
-                lookahead = min(cap, lookahead + 2) if replaced is None else max(1, lookahead - 1)
-            if finished:
-                req.finish_reason = "stop"
-            piece = emit.take(text)
+        r = _SafeRun(self.config, self.members, req)
+        emit = Emitter()
+        while not r.finished and r.st.tokens_out < r.budget:
+            going = r.cycle()
+            piece = emit.take(r.text)
             if piece:
                 yield piece
-        tail = emit.take(text, final=True)
+            if not going:
+                break  # cut by the budget, but closed: finish_reason stays "length"
+        tail = emit.take(r.text, final=True)
         if tail:
             yield tail
         # the generator's return value (StopIteration.value): the final caches, for callers that
         # drive run() themselves (the engine ignores it)
-        return {"drafter": dstate, "views": views, "text": text}
+        return {"drafter": r.dstate, "views": r.views, "text": r.text}
+
+
+class _SafeRun:
+    """One request's SAFE run, phase by phase: `cycle` closes, writes forced tokens, or drafts,
+    verifies and commits once; `text` holds the bytes that can no longer be rolled back."""
+
+    def __init__(self, cfg: SafeConfig, members: list, req: Request) -> None:
+        self.cfg, self.req = cfg, req
+        self.ordered, self.weights, self.dstate, self.views = start_members(
+            members, req.main, req.weights, req.prompt_ids
+        )
+        self.wsum = sum(self.weights)
+        self.drafter, self.didx = self.ordered[0], vocab_index(self.ordered[0])
+        self.st = req.stats = SafeStats()
+        self.guide, self.main, self.plen = req.guide, req.main, len(self.dstate.ids)
+        self.text, self.budget = b"", req.max_new_tokens
+        self.finished, self.lookahead = False, cfg.lookahead
+        self.must_close = False  # a drafted or chosen token would have left too little for the completion
+        if self.guide:
+            self.guide.check_budget(self.main, self.budget)
+
+    def note(self, **entry) -> None:
+        if self.req.trace is not None:
+            self.req.trace.append(entry)
+
+    def pick(self, logp: torch.Tensor) -> int:
+        return pick_token(logp, self.req.temperature, self.req.top_p, self.req.generator)
+
+    def cycle(self) -> bool:
+        """One step of the request; False when the reply was closed (it ends here)."""
+        guide, left = self.guide, self.budget - self.st.tokens_out
+        forced = guide.forced_tokens(self.main, self.dstate.ids[self.plen :])[:left] if guide else []
+        tail = None
+        if guide and (self.must_close or not forced):
+            tail = guide.closing(self.main, self.text, 0 if self.must_close else left)
+        if tail is not None or self.must_close:  # the budget holds just the shortest completion: written now
+            self.text += tail or b""
+            self.st.tokens_out += len(guide.spell(self.main, tail or b""))
+            self.note(byte=len(self.text), reason="closed", bytes=len(tail or b""))
+            return False
+        if forced:
+            self.write_forced(forced)
+            return True
+        self.st.cycles += 1
+        base = len(self.dstate.ids)
+        drafts = self.draft(min(self.lookahead, left))
+        if not drafts:  # no token leaves room for the completion: it is written next
+            return True
+        keys = [self.didx.key_of(t) for t, _ in drafts]
+        starts, pos = [], len(self.text)
+        for k in keys:
+            starts.append(pos)
+            pos += 0 if k is EOS else len(k)
+        full = self.text + b"".join(k for k in keys if k is not EOS)
+        cut = valid_utf8_prefix(full)
+        for v in self.views:  # 2. verify: one forward per verifier
+            v.sync(full[:cut].decode("utf-8"), from_byte=min(len(self.text), cut))
+        replaced = self.check(drafts, keys, starts, full, cut)
+        self.commit(keys, starts, full, base, replaced)
+        return True
+
+    def write_forced(self, forced: list[int]) -> None:
+        """The grammar forces these tokens: written without drafting or verifying."""
+        guide = self.guide
+        guide.forced += len(forced)
+        self.text += b"".join(self.didx.key_of(t) for t in forced)
+        self.st.tokens_out += len(forced)
+        self.note(byte=len(self.text), reason="forced", tokens=len(forced))
+        self.finished = guide.complete(self.text)
+        if self.finished:  # the forced tokens ended the match: the grammar, not the budget, ended the reply
+            self.req.finish_reason = "stop"
+        if not self.finished and self.st.tokens_out < self.budget:
+            self.drafter.extend(self.dstate, forced)
+
+    def draft(self, n: int) -> list[tuple[int, torch.Tensor]]:
+        """1. The drafter drafts up to n tokens, up to EOS or a stop string (nothing after either
+        is kept), on its cache; each with the row it was picked from."""
+        guide, dstate, st = self.guide, self.dstate, self.st
+        drafts: list[tuple[int, torch.Tensor]] = []
+        drafted = self.text
+        for j in range(n):
+            row = dstate.next_logprobs
+            if guide:  # the drafter writes only what the grammar allows, and what leaves room to close
+                row = guide.mask_row(self.main, dstate.ids[self.plen :], row)
+                tok = guide.pick(self.main, dstate.ids[self.plen :], row, self.budget - st.tokens_out - j, self.pick)
+                if tok is None:
+                    self.must_close = True
+                    break
+            else:
+                tok = self.pick(row)
+            drafts.append((tok, row))
+            if tok in self.drafter.eos_ids:
+                break
+            key = self.didx.key_of(tok)
+            drafted += key
+            if self.req.stops.end(drafted, len(drafted) - len(key)) is not None:
+                break  # the drafter's cache lacks this token: the request ends with this cycle
+            if st.tokens_out + j + 1 < self.budget:  # the budget's last token needs no forward
+                self.drafter.extend(dstate, [tok])
+        return drafts
+
+    def check(self, drafts, keys, starts, full: bytes, cut: int) -> tuple[int, bytes] | None:
+        """3-5. Each drafted position: skipped (oov, consensus) or ensembled; the first position
+        whose ensemble choice differs from the drafted token, with that choice (None: all kept)."""
+        st, views = self.st, self.views
+        for j, ((tok, row), key) in enumerate(zip(drafts, keys)):
+            b = starts[j]
+            end = b if key is EOS else b + len(key)
+            if end > cut or any(b not in v.rows for v in views):
+                st.skipped_oov += 1
+                self.note(byte=b, reason="oov")
+                continue
+            vrows = [v.rows[b] for v in views]
+            if self.consensus(tok, row, key, b, vrows):
+                st.skipped_consensus += 1
+                if self.req.trace is not None:  # with what UniTE would have picked here (Theorem 1: the same)
+                    dist = union_distribution(self.ordered, [row] + vrows, self.weights, self.cfg.top_k)
+                    self.note(byte=b, reason="consensus", key=key, unite_pick=dist.keys[int(torch.argmax(dist.probs))])
+                continue
+            choice = self.ensemble(row, vrows, full[:b])
+            if choice is None:  # none in the union is allowed: the drafter's (allowed) token stands
+                continue
+            self.note(byte=b, reason="ensemble", key=key, choice=choice)
+            if choice != key:
+                return j, choice
+        return None
+
+    def consensus(self, tok: int, row: torch.Tensor, key, b: int, vrows: list) -> bool:
+        """4. Whether every verifier's own next token at byte b spells the drafter's token and either
+        each is its verifier's top-1 or the weighted mean probability of the token exceeds
+        `consensus` (Theorem 1: the ensemble's argmax is the drafter's token)."""
+        # Consensus needs the verifiers' own next tokens to be the drafter's token string:
+        # a verifier whose token spans further ("Orange" vs the drafter's "O") has not
+        # agreed, and skipping there is not lossless (found by the Theorem-1 test).
+        # one question per row (the verifiers' argmax and own-token values), all asked first
+        views = self.views
+        asks = [take_async(row, [tok])] + [
+            query_async(vrow, vocab_index(v.member).eos if key is EOS else [v.next_tok[b]])
+            for v, vrow in zip(views, vrows)
+        ]
+        agree, aligned, p_own = True, True, [math.exp(asks[0].get()[0])]
+        for v, ask in zip(views, asks[1:]):
+            best, vals = ask.get()
+            if key is EOS:
+                p_own.append(math.exp(VocabIndex.key_logprobs([EOS], vals, [(0, len(vals))])[0]))
+                agree &= best in v.member.eos_ids
+            else:
+                own = v.next_tok[b]
+                aligned &= vocab_index(v.member).key_of(own) == key
+                p_own.append(math.exp(vals[0]))
+                agree &= own == best
+        # the weighted mean (App. H): above 1/2 the token is the weighted ensemble's argmax
+        p_mean = sum(w * p for w, p in zip(self.weights, p_own)) / self.wsum
+        return aligned and (agree or p_mean > self.cfg.consensus)
+
+    def ensemble(self, row: torch.Tensor, vrows: list, before: bytes):
+        """5. The UniTE distribution over the drafter's and the verifiers' rows (sharpened when its
+        max < 0.5), masked by the grammar after `before`; a key picked from it (None: no key allowed)."""
+        cfg = self.cfg
+        self.st.tokens_ensembled += 1
+        dist = union_distribution(self.ordered, [row] + vrows, self.weights, cfg.top_k)
+        probs = dist.probs
+        if float(probs.max()) < 0.5:
+            probs = sharpen(dist, top_keys(self.drafter, row, cfg.top_k), cfg.sharpen, cfg.sharpen_lambda, self.weights)
+        logp = torch.log(probs)
+        if self.guide:  # only keys the grammar allows after the text before this token
+            logp = self.guide.key_logprobs(before, [None if k is EOS else k for k in dist.keys], logp)
+            if logp is None:
+                return None
+        return dist.keys[self.pick(logp)]
+
+    def commit(self, keys, starts, full: bytes, base: int, replaced: tuple[int, bytes] | None) -> None:
+        """The cycle's verified text: the whole draft, or the draft up to the replaced position and
+        the ensemble's choice there (the drafter's cache cropped back to it); the next lookahead."""
+        st, guide, text = self.st, self.guide, self.text
+        if replaced is None:
+            st.tokens_out += sum(1 for k in keys if k is not EOS)
+            self.finished = keys[-1] is EOS or self.req.stops.end(full, len(text)) is not None
+            self.text = full
+        else:
+            j, choice = replaced
+            if (
+                guide
+                and choice is not EOS
+                and not guide.fits(self.main, full[: starts[j]] + choice, self.budget - st.tokens_out - j - 1)
+            ):
+                choice, self.must_close = b"", True  # the completion would not fit after it: closed instead
+            st.replacements += 1
+            new = full[: starts[j]] + (b"" if choice is EOS else choice)
+            st.tokens_out += j + (0 if choice is EOS or not choice else 1)
+            self.drafter.crop(self.dstate, base + j)
+            self.finished = choice is EOS or self.req.stops.end(new, len(text)) is not None
+            self.text = new
+            if not self.finished and st.tokens_out < self.budget and choice:
+                self.drafter.extend(self.dstate, self.didx.ids_for(choice))
+        if guide and not self.finished and guide.complete(self.text):  # the grammar allows nothing more
+            self.finished = True
+        if self.cfg.adaptive:
+            cap = max(self.cfg.lookahead, self.cfg.max_lookahead)
+            self.lookahead = min(cap, self.lookahead + 2) if replaced is None else max(1, self.lookahead - 1)
+        if self.finished:
+            self.req.finish_reason = "stop"

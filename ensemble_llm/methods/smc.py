@@ -232,19 +232,25 @@ def smc_sample(
             p.text += bytes([b])
             p.states = [lm.advance(s, b) for lm, s in zip(lms, p.states)]
             p.done = finished(p)
-        wn = run.normalised()
-        ess = float(1.0 / np.sum(wn**2))
-        run.ess.append(ess)
-        if ess < ess_threshold * len(run.particles) and any(p.done is None for p in run.particles):
-            idx = torch.multinomial(
-                torch.from_numpy(wn), len(run.particles), replacement=True, generator=generator
-            ).tolist()
-            mean = run.log_z  # the mean weight: resampling keeps the estimate of log Z
-            run.particles = [run.particles[i].copy() for i in idx]
-            for p in run.particles:
-                p.logw = mean
-            run.resamplings += 1
+        _resample(run, ess_threshold, generator)
         yield run
+
+
+def _resample(run: SmcRun, ess_threshold: float, generator: torch.Generator | None) -> None:
+    """Record the effective sample size; below `ess_threshold` x n (and while a particle is
+    still going), resample multinomially, every particle at the mean weight."""
+    wn = run.normalised()
+    ess = float(1.0 / np.sum(wn**2))
+    run.ess.append(ess)
+    if ess < ess_threshold * len(run.particles) and any(p.done is None for p in run.particles):
+        idx = torch.multinomial(
+            torch.from_numpy(wn), len(run.particles), replacement=True, generator=generator
+        ).tolist()
+        mean = run.log_z  # the mean weight: resampling keeps the estimate of log Z
+        run.particles = [run.particles[i].copy() for i in idx]
+        for p in run.particles:
+            p.logw = mean
+        run.resamplings += 1
 
 
 @dataclass
@@ -374,84 +380,18 @@ class Smc(Method):
         # temperature 0 (greedy elsewhere): the mode of the untempered ensemble by beam search, or
         # (greedy="sample") one SMC sample with a fixed seed; temperature > 0 tempers every member.
         temperature = req.temperature if req.temperature > 0 else 1.0
-        generator = req.generator if req.temperature > 0 else torch.Generator().manual_seed(0)
         search = req.temperature == 0 and cfg.greedy == "beam"
         lms = [
             m.byte_lm(cfg.beam_width, cfg.prune_threshold, temperature, keep_fresh=req.guide is not None)
             for m in self.members
         ]
-        starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
-        # the longest stop first: with overlapping stops the text is cut where the engine would cut it
-        stops = sorted((s.encode("utf-8") for s in req.stop if s), key=len, reverse=True)
-        max_bytes = cfg.max_bytes or 16 * req.max_new_tokens
-        main = req.main
-
-        guide = req.guide
-        allowed = guide.byte_mask if guide else None
-        closed: set[bytes] = set()  # texts the budget-aware closing completed
-        if guide:
-            guide.check_budget(main, req.max_new_tokens)
-
-        def finished(p: Particle) -> str | None:
-            if guide and guide.complete(p.text):  # the grammar allows nothing more
-                return "stop"
-            for s in stops:
-                if p.text.endswith(s):
-                    p.text = p.text[: -len(s)]
-                    return "stop"
-            if guide and close(p):
-                return "length"
-            if p.states[main].tokens >= req.max_new_tokens or len(p.text) >= max_bytes:
-                return "length"
-            return None
-
-        def close(p: Particle) -> bool:
-            """Budget-aware closing of one particle: when its tokens or bytes left are just what the
-            shortest completion needs, the completion is appended (the particle ends there, its
-            byte-LM states no longer used). When its last byte already left too little, the
-            completion of the text before that byte is written instead (it fit one byte ago)."""
-            tokens_left = req.max_new_tokens - p.states[main].tokens
-            bytes_left = max_bytes - len(p.text)
-            tail = guide.completion(p.text)
-            need = guide.reserve(main, p.text)
-            if tail is None or not need:
-                return False
-            if need - CLOSE_MARGIN > tokens_left or len(tail) > bytes_left:  # the last byte overdrew
-                base = p.text[:-1]
-                tail = guide.completion(base)
-                if tail is None:
-                    return False
-                p.text = base + tail
-            elif need >= tokens_left or len(tail) + CLOSE_MARGIN >= bytes_left:
-                p.text += tail
-            else:
-                return False
-            closed.add(p.text)
-            return True
-
-        weights = req.weights or [1.0] * len(lms)
+        ending = _Ending(req, cfg.max_bytes or 16 * req.max_new_tokens)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sent, sent_bytes = 0, b""
         run = None
         # a stop string can only be cut from the end of a particle's text: hold that many bytes back
-        hold = max((len(s) for s in stops), default=1) - 1
-        if search:
-            steps = beam_search(
-                lms, starts, tau=cfg.power, weights=weights, width=cfg.n_particles, finished=finished, allowed=allowed
-            )
-        else:
-            steps = smc_sample(
-                lms,
-                starts,
-                tau=cfg.power,
-                weights=weights,
-                n_particles=cfg.n_particles,
-                ess_threshold=cfg.ess_threshold,
-                generator=generator,
-                finished=finished,
-                allowed=allowed,
-            )
-        for run in steps:
+        hold = req.stops.hold
+        for run in self._steps(req, lms, search, ending):
             if search:  # final: a prefix of every live beam and of the best finished string
                 best = run.best()
                 live = run.live + ([best] if best is not None else [])
@@ -470,6 +410,41 @@ class Smc(Method):
             alive = run.live if search else [p for p in run.particles if p.done is None]
             for k, lm in enumerate(lms):
                 lm.compact([p.states[k] for p in alive])
+        best, stats = self._best(run, search, sent_bytes)
+        tail = decoder.decode(best.text[sent:], final=True)
+        if not best.text.endswith("\ufffd".encode()):  # undecodable last bytes are dropped, never shown as U+FFFD
+            tail = tail.rstrip("\ufffd")
+        if tail:
+            yield tail
+        req.finish_reason = "stop" if best.done == "stop" else "length"
+        if req.guide:
+            req.guide.closed_early = best.text in ending.closed and best.done != "stop"
+        self._report(req, run, best, search, sum(lm.heals for lm in lms), stats)
+
+    def _steps(self, req: Request, lms: list, search: bool, ending: "_Ending") -> Iterator:
+        """The byte steps of the search (temperature 0, greedy="beam") or of the SMC sampler."""
+        cfg = self.config
+        starts = [lm.start(ids) for lm, ids in zip(lms, req.prompt_ids)]
+        weights = req.weights or [1.0] * len(lms)
+        allowed = req.guide.byte_mask if req.guide else None
+        if search:
+            return beam_search(
+                lms, starts, tau=cfg.power, weights=weights, width=cfg.n_particles, finished=ending, allowed=allowed
+            )
+        return smc_sample(
+            lms,
+            starts,
+            tau=cfg.power,
+            weights=weights,
+            n_particles=cfg.n_particles,
+            ess_threshold=cfg.ess_threshold,
+            generator=req.generator if req.temperature > 0 else torch.Generator().manual_seed(0),
+            finished=ending,
+            allowed=allowed,
+        )
+
+    def _best(self, run, search: bool, sent_bytes: bytes) -> tuple[Particle, dict[str, Any]]:
+        """The answer and the search's own figures, once the steps are over."""
         if search:
             best = run.best() if run is not None else None
             if best is None and run.live:  # the budget ended every beam without a finished string
@@ -479,34 +454,28 @@ class Smc(Method):
                     "every smc beam reached a text the members give probability 0 under the "
                     "grammar; raise SmcConfig.beam_width or prune_threshold=0."
                 )
-            stats = {"beam_steps": run.steps, "finished_candidates": len(run.done), "best_log_psi": best.logw}
-        else:
-            # only particles that start with what was streamed can be the answer (a particle that
-            # died before the others agreed may not)
-            best = self._pick(run, sent_bytes)
-            post = run.posterior()
-            stats = {
-                "smc_steps": run.steps,
-                "resamplings": run.resamplings,
-                "ess": [round(e, 3) for e in run.ess],
-                "log_z": run.log_z,
-                "distinct_texts": len(post),
-                "best_weight": round(post[best.text], 4),
-            }
-        tail = decoder.decode(best.text[sent:], final=True)
-        if not best.text.endswith("\ufffd".encode()):  # undecodable last bytes are dropped, never shown as U+FFFD
-            tail = tail.rstrip("\ufffd")
-        if tail:
-            yield tail
-        req.finish_reason = "stop" if best.done == "stop" else "length"
-        if guide:
-            guide.closed_early = best.text in closed and best.done != "stop"
+            return best, {"beam_steps": run.steps, "finished_candidates": len(run.done), "best_log_psi": best.logw}
+        # only particles that start with what was streamed can be the answer (a particle that
+        # died before the others agreed may not)
+        best = self._pick(run, sent_bytes)
+        post = run.posterior()
+        return best, {
+            "smc_steps": run.steps,
+            "resamplings": run.resamplings,
+            "ess": [round(e, 3) for e in run.ess],
+            "log_z": run.log_z,
+            "distinct_texts": len(post),
+            "best_weight": round(post[best.text], 4),
+        }
+
+    def _report(self, req: Request, run, best: Particle, search: bool, heals: int, stats: dict) -> None:
+        cfg = self.config
         text = best.text.decode("utf-8", errors="replace")
         req.stats = SmcStats(
-            tokens_out=len(self.members[main].encode(text)) if text else 0,
+            tokens_out=len(self.members[req.main].encode(text)) if text else 0,
             bytes_out=len(best.text),
             search="beam" if search else "smc",
-            heals=sum(lm.heals for lm in lms),
+            heals=heals,
             f=cfg.f if cfg.f != "power" else f"power({cfg.tau:g})",
             n_particles=cfg.n_particles,
             **stats,
@@ -529,3 +498,53 @@ class Smc(Method):
         post = run.posterior()
         pool = [p for p in run.particles if p.text.startswith(prefix)] or run.particles
         return max(pool, key=lambda p: (post[p.text], float(p.lp.sum())))
+
+
+class _Ending:
+    """Why a particle stops after a byte (`finished` in the samplers): the grammar is complete, a
+    stop string (cut off), the budget-aware closing, or the token / byte budget."""
+
+    def __init__(self, req: Request, max_bytes: int) -> None:
+        self.req, self.guide, self.main, self.max_bytes = req, req.guide, req.main, max_bytes
+        self.closed: set[bytes] = set()  # texts the budget-aware closing completed
+        if self.guide:
+            self.guide.check_budget(self.main, req.max_new_tokens)
+
+    def __call__(self, p: Particle) -> str | None:
+        guide = self.guide
+        if guide and guide.complete(p.text):  # the grammar allows nothing more
+            return "stop"
+        cut = self.req.stops.cut_suffix(p.text)  # the longest stop first: cut where the engine would cut
+        if cut is not None:
+            p.text = cut
+            return "stop"
+        if guide and self.close(p):
+            return "length"
+        if p.states[self.main].tokens >= self.req.max_new_tokens or len(p.text) >= self.max_bytes:
+            return "length"
+        return None
+
+    def close(self, p: Particle) -> bool:
+        """Budget-aware closing of one particle: when its tokens or bytes left are just what the
+        shortest completion needs, the completion is appended (the particle ends there, its
+        byte-LM states no longer used). When its last byte already left too little, the
+        completion of the text before that byte is written instead (it fit one byte ago)."""
+        guide = self.guide
+        tokens_left = self.req.max_new_tokens - p.states[self.main].tokens
+        bytes_left = self.max_bytes - len(p.text)
+        tail = guide.completion(p.text)
+        need = guide.reserve(self.main, p.text)
+        if tail is None or not need:
+            return False
+        if need - CLOSE_MARGIN > tokens_left or len(tail) > bytes_left:  # the last byte overdrew
+            base = p.text[:-1]
+            tail = guide.completion(base)
+            if tail is None:
+                return False
+            p.text = base + tail
+        elif need >= tokens_left or len(tail) + CLOSE_MARGIN >= bytes_left:
+            p.text += tail
+        else:
+            return False
+        self.closed.add(p.text)
+        return True

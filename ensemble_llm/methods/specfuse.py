@@ -194,7 +194,7 @@ class SpecFuse(Method):
                 key = b"".join(idx.key_of(t) for t in new)
                 data += key
                 done += len(new)
-                stop_at = req.stop_end(text + data, len(text) + len(data) - len(key))
+                stop_at = req.stops.end(text + data, len(text) + len(data) - len(key))
                 if stop_at is not None:
                     data = data[: stop_at - len(text)]
                     break
@@ -236,120 +236,158 @@ class SpecFuse(Method):
         return False
 
     def run(self, req: Request) -> Iterator[str]:
-        cfg, members = self.config, self.members
-        k = len(members)
-        views = [CanonicalView.start(m, ids) for m, ids in zip(members, req.prompt_ids)]
-        main = members[req.main]
-        w = torch.tensor(req.weights or [1.0] * k, dtype=torch.float64)
-        w = w / w.sum()
-        active = [True] * k
-        st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
+        r = _FuseRun(self, req)
+        try:
+            while r.st.tokens_out < req.max_new_tokens:
+                piece, done = r.round()
+                if piece:
+                    yield piece
+                if done:
+                    break
+                r.advance()
+        finally:
+            r.close()
+
+
+class _FuseRun:
+    """One request's SpecFuse run, round by round: every active member drafts a segment, every
+    member scores every draft, the Hedge weights move, the best-scored draft is committed."""
+
+    def __init__(self, method: SpecFuse, req: Request) -> None:
+        members = method.members
+        self.method, self.cfg, self.req, self.members, self.k = method, method.config, req, members, len(members)
+        self.views = [CanonicalView.start(m, ids) for m, ids in zip(members, req.prompt_ids)]
+        self.main = members[req.main]
+        w = torch.tensor(req.weights or [1.0] * self.k, dtype=torch.float64)
+        self.w = w / w.sum()
+        self.active = [True] * self.k
+        self.st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
         # members on different devices, or in Ray actors, draft and score in parallel threads
         parallel = len({str(m.device) for m in members}) > 1 or any(m.remote for m in members)
-        check = current_guard()  # the request's deadline holds in those threads too
-
-        def guarded(fn, *args):
-            with forward_guard(check):
-                return fn(*args)
-
+        self.check = current_guard()  # the request's deadline holds in those threads too
         # one generator per member when drafting in parallel, so sampling stays reproducible
-        gens = [req.generator] * k
+        self.gens = [req.generator] * self.k
         if parallel and req.generator is not None and req.temperature > 0:
             seed = int(torch.randint(0, 2**62, (), generator=req.generator))
-            gens = [torch.Generator().manual_seed(seed + i) for i in range(k)]
-        text = b""
-        guide, must_close = req.guide, False
-        if guide:
-            guide.check_budget(req.main, req.max_new_tokens)
-        pool = ThreadPoolExecutor(max_workers=k) if parallel else None
-        try:
-            while st.tokens_out < req.max_new_tokens:
-                left = req.max_new_tokens - st.tokens_out
-                tail = guide.closing(req.main, text, 0 if must_close else left) if guide else None
-                if tail is not None or must_close:  # the budget holds just the shortest completion
-                    tail = tail or b""
-                    ids = guide.spell(req.main, tail)[:left]
-                    st.tokens_out += len(ids)
-                    st.segment_tokens.append(len(ids))
-                    text += tail
-                    if tail:
-                        yield tail.decode("utf-8", errors="replace")
-                    break  # cut by the budget, but closed: finish_reason stays "length"
-                st.rounds += 1
-                t = st.rounds
-                n = min(cfg.segment_len, req.max_new_tokens - st.tokens_out)
-                todo = [i for i in range(k) if active[i]]
-                st.drafts_saved += k - len(todo)
-                room = left if guide else None
-                if pool is not None:
-                    drafts = list(
-                        pool.map(lambda i: guarded(self._draft, i, views[i], n, req, gens[i], text, room), todo)  # noqa: B023 (map runs now)
-                    )
-                else:
-                    drafts = [self._draft(i, views[i], n, req, gens[i], text, room) for i in todo]
-                drafts = [d for d in drafts if d.text or d.eos]
-                if not drafts and guide:  # no member could write a token that leaves room to close
-                    must_close = True
-                    continue
-                if not drafts:  # every member drafted only bytes that cannot stand alone
-                    req.finish_reason = "stop"
-                    break
-                if pool is not None:
-                    scored = list(pool.map(lambda v: guarded(self._score, v, drafts), views))  # noqa: B023 (map runs now)
-                else:
-                    scored = [self._score(v, drafts) for v in views]
-                raw = torch.tensor([sc for sc, _ in scored], dtype=torch.float64)  # [K, C]
-                s = normalise(raw, cfg.score)
-                owners = [d.member for d in drafts]
-                if cfg.hedge and len(drafts) > 1:
-                    eta = cfg.hedge_lr * math.sqrt(1.0 / k) / t
-                    gain = torch.zeros(k, dtype=torch.float64)  # members not drafting keep their weight
-                    gain[owners] = hedge_rewards(s, owners)
-                    w = hedge_update(w, gain, eta)
-                total = (w[:, None] * s).sum(dim=0)  # [C]
-                best_i = int(torch.argmax(total))
-                best = drafts[best_i]
-                st.wins[members[best.member].name] += 1
-                if cfg.exit_threshold is not None:
-                    for i in range(k):
-                        if active[i] and w[i] < cfg.exit_threshold and i != int(torch.argmax(w)):
-                            active[i] = False
-                # budget in the first member's tokens: cut an over-long winner at a token boundary
-                seg = best.text
-                ids, ends = main.encode_with_offsets(seg.decode("utf-8")) if seg else ([], [])
-                room = req.max_new_tokens - st.tokens_out
-                eos = best.eos
-                if len(ids) > room:
-                    seg = seg[: valid_utf8_prefix(seg[: ends[room - 1]])]
-                    ids, eos = ids[:room], False
-                while guide and ids and not eos and not guide.fits(req.main, text + seg, room - len(ids)):
-                    # the shortest completion after the winner would not fit: cut the winner at its
-                    # last token boundary that leaves room, and close next round
-                    ids = ids[:-1]
-                    seg = seg[: valid_utf8_prefix(seg[: ends[len(ids) - 1]])] if ids else b""
-                    must_close = True
-                st.tokens_out += len(ids)
-                st.segment_tokens.append(len(ids))
-                old = len(text)
-                text += seg
-                if seg:
-                    yield seg.decode("utf-8")
-                if eos or (best.stopped and seg == best.text):
-                    req.finish_reason = "stop"
-                    break
-                if st.tokens_out >= req.max_new_tokens:
-                    break
-                if seg:
-                    decoded = text.decode("utf-8")
-                    for v, (_, cands) in zip(views, scored):
-                        st.kept_scored_kv += self._advance(
-                            v, decoded, old, cands[best_i] if seg == best.text else [], best_i
-                        )
-                else:
-                    for v in views:
-                        v.member.drop_candidates(v.state)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
-            st.weights = {m.name: round(float(x), 4) for m, x in zip(members, w)}
-            st.active = {m.name: a for m, a in zip(members, active)}
+            self.gens = [torch.Generator().manual_seed(seed + i) for i in range(self.k)]
+        self.text, self.guide, self.must_close = b"", req.guide, False
+        self.last = None  # what `advance` needs from the round that just committed
+        if self.guide:
+            self.guide.check_budget(req.main, req.max_new_tokens)
+        self.pool = ThreadPoolExecutor(max_workers=self.k) if parallel else None
+
+    def map(self, fn, items) -> list:
+        """fn over items: in the pool's threads (under the request's deadline) when there is one."""
+        if self.pool is None:
+            return [fn(x) for x in items]
+
+        def guarded(x):
+            with forward_guard(self.check):
+                return fn(x)
+
+        return list(self.pool.map(guarded, items))
+
+    def round(self) -> tuple[str, bool]:
+        """One round up to its commit: (the text committed, whether the reply ends). The members
+        move past the committed text in `advance`, once the caller has taken it."""
+        req, st, guide, cfg = self.req, self.st, self.guide, self.cfg
+        self.last = None
+        left = req.max_new_tokens - st.tokens_out
+        tail = guide.closing(req.main, self.text, 0 if self.must_close else left) if guide else None
+        if tail is not None or self.must_close:  # the budget holds just the shortest completion
+            tail = tail or b""
+            ids = guide.spell(req.main, tail)[:left]
+            st.tokens_out += len(ids)
+            st.segment_tokens.append(len(ids))
+            self.text += tail
+            return tail.decode("utf-8", errors="replace"), True  # cut by the budget, but closed: "length"
+        st.rounds += 1
+        n, room, text = min(cfg.segment_len, left), left if guide else None, self.text
+        todo = [i for i in range(self.k) if self.active[i]]
+        st.drafts_saved += self.k - len(todo)
+        drafts = self.map(lambda i: self.method._draft(i, self.views[i], n, req, self.gens[i], text, room), todo)
+        drafts = [d for d in drafts if d.text or d.eos]
+        if not drafts and guide:  # no member could write a token that leaves room to close
+            self.must_close = True
+            return "", False
+        if not drafts:  # every member drafted only bytes that cannot stand alone
+            req.finish_reason = "stop"
+            return "", True
+        scored = self.map(lambda v: self.method._score(v, drafts), self.views)
+        best_i = self.select(drafts, scored)
+        best = drafts[best_i]
+        seg, ids, eos = self.fit(best)
+        st.tokens_out += len(ids)
+        st.segment_tokens.append(len(ids))
+        old = len(self.text)
+        self.text += seg
+        piece = seg.decode("utf-8") if seg else ""
+        if eos or (best.stopped and seg == best.text):
+            req.finish_reason = "stop"
+            return piece, True
+        if st.tokens_out >= req.max_new_tokens:
+            return piece, True
+        self.last = (seg, best, best_i, scored, old)
+        return piece, False
+
+    def advance(self) -> None:
+        """Every member past the committed segment: the scored KV of the winner kept where its
+        tokenization matches, else a re-sync; nothing when the round committed nothing."""
+        if self.last is None:
+            return
+        seg, best, best_i, scored, old = self.last
+        if seg:
+            decoded = self.text.decode("utf-8")
+            for v, (_, cands) in zip(self.views, scored):
+                self.st.kept_scored_kv += self.method._advance(
+                    v, decoded, old, cands[best_i] if seg == best.text else [], best_i
+                )
+        else:
+            for v in self.views:
+                v.member.drop_candidates(v.state)
+
+    def select(self, drafts: list[Draft], scored: list) -> int:
+        """The Hedge step on the round's scores and the winning draft's index; members whose
+        weight fell below `exit_threshold` stop drafting."""
+        cfg, k, st = self.cfg, self.k, self.st
+        raw = torch.tensor([sc for sc, _ in scored], dtype=torch.float64)  # [K, C]
+        s = normalise(raw, cfg.score)
+        owners = [d.member for d in drafts]
+        if cfg.hedge and len(drafts) > 1:
+            eta = cfg.hedge_lr * math.sqrt(1.0 / k) / st.rounds
+            gain = torch.zeros(k, dtype=torch.float64)  # members not drafting keep their weight
+            gain[owners] = hedge_rewards(s, owners)
+            self.w = hedge_update(self.w, gain, eta)
+        total = (self.w[:, None] * s).sum(dim=0)  # [C]
+        best_i = int(torch.argmax(total))
+        st.wins[self.members[drafts[best_i].member].name] += 1
+        if cfg.exit_threshold is not None:
+            for i in range(k):
+                if self.active[i] and self.w[i] < cfg.exit_threshold and i != int(torch.argmax(self.w)):
+                    self.active[i] = False
+        return best_i
+
+    def fit(self, best: Draft) -> tuple[bytes, list[int], bool]:
+        """The winner as committed: cut at a token boundary to the budget (counted in the main
+        member's tokens) and, under a grammar, to what leaves room for the shortest completion."""
+        req, guide = self.req, self.guide
+        seg = best.text
+        ids, ends = self.main.encode_with_offsets(seg.decode("utf-8")) if seg else ([], [])
+        room = req.max_new_tokens - self.st.tokens_out
+        eos = best.eos
+        if len(ids) > room:
+            seg = seg[: valid_utf8_prefix(seg[: ends[room - 1]])]
+            ids, eos = ids[:room], False
+        while guide and ids and not eos and not guide.fits(req.main, self.text + seg, room - len(ids)):
+            # the shortest completion after the winner would not fit: cut the winner at its
+            # last token boundary that leaves room, and close next round
+            ids = ids[:-1]
+            seg = seg[: valid_utf8_prefix(seg[: ends[len(ids) - 1]])] if ids else b""
+            self.must_close = True
+        return seg, ids, eos
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        self.st.weights = {m.name: round(float(x), 4) for m, x in zip(self.members, self.w)}
+        self.st.active = {m.name: a for m, a in zip(self.members, self.active)}

@@ -121,75 +121,90 @@ class Unite(Method):
         return self.config.primary
 
     def run(self, req: Request) -> Iterator[str]:
-        cfg, members = self.config, self.members
-        ordered, weights, pstate, views = start_members(members, req.main, req.weights, req.prompt_ids)
-        prim = ordered[0]
-        pidx = vocab_index(prim)
-        guide, main, budget = req.guide, req.main, req.max_new_tokens
-        plen = len(pstate.ids)
-        st = req.stats = UniteStats()
-        text, emit = b"", Emitter()
-        if guide:
-            guide.check_budget(main, budget)
-        closed = False
-        while st.tokens_out < budget:
-            prow = pstate.next_logprobs
-            left = budget - st.tokens_out
-            forced = guide.forced_tokens(main, pstate.ids[plen:])[:left] if guide else []
-            tail = guide.closing(main, text, left) if guide and not forced else None
-            if forced:  # the grammar forces these tokens: written without sampling
-                guide.forced += len(forced)
-                key, ids = b"".join(pidx.key_of(t) for t in forced), forced
-            elif tail is not None:  # the budget holds just the shortest completion: written now
-                key, ids, closed = tail, guide.spell(main, tail)[:left], True
-            elif valid_utf8_prefix(text) == len(text):
-                rows = [prow]
-                for v in views:
-                    v.sync(text.decode("utf-8"), from_byte=len(text))
-                    rows.append(v.rows[len(text)])
-                dist = union_distribution(ordered, rows, weights, cfg.top_k)
-                logp = torch.log(dist.probs)
-                if guide:  # only keys whose bytes the grammar allows here (None: no key is)
-                    logp = guide.key_logprobs(text, [None if k is EOS else k for k in dist.keys], logp)
-                if logp is not None:
-                    key = dist.keys[pick_token(logp, req.temperature, req.top_p, req.generator)]
-                    ids = None if key is EOS else pidx.ids_for(key)
-                    st.tokens_ensembled += 1
-                else:  # no union key is allowed: the primary's best allowed token
-                    tok = pick_token(
-                        guide.mask_row(main, pstate.ids[plen:], prow), req.temperature, req.top_p, req.generator
-                    )
-                    key, ids = pidx.key_of(tok), [tok]
-            else:  # inside a multi-byte character: the primary completes it alone
-                row = guide.mask_row(main, pstate.ids[plen:], prow) if guide else prow
-                tok = pick_token(row, req.temperature, req.top_p, req.generator)
-                key, ids = pidx.key_of(tok), [tok]
-                st.skipped_incomplete_utf8 += 1
-            if (
-                guide
-                and not forced
-                and not closed
-                and key is not EOS
-                and not guide.fits(main, text + key, left - len(ids))
-            ):
-                # after this key the shortest completion would not fit: write the completion instead
-                tail = guide.closing(main, text, 0) or b""
-                key, ids, closed = tail, guide.spell(main, tail)[:left], True
+        r = _UniteRun(self.config, self.members, req)
+        st, guide, emit = r.st, req.guide, Emitter()
+        while st.tokens_out < req.max_new_tokens:
+            key, ids, closed = r.next_key()
             if key is EOS:
                 req.finish_reason = "stop"
                 break
-            text += key
+            r.text += key
             st.tokens_out += len(ids)
-            piece = emit.take(text)
+            piece = emit.take(r.text)
             if piece:
                 yield piece
             if closed:  # cut by the budget, but closed: finish_reason stays "length"
                 break
-            if guide and guide.complete(text):  # the grammar allows nothing more
+            if guide and guide.complete(r.text):  # the grammar allows nothing more
                 req.finish_reason = "stop"
                 break
-            if st.tokens_out < budget:
-                prim.extend(pstate, ids)
-        tail = emit.take(text, final=True)
+            if st.tokens_out < req.max_new_tokens:
+                r.prim.extend(r.pstate, ids)
+        tail = emit.take(r.text, final=True)
         if tail:
             yield tail
+
+
+class _UniteRun:
+    """One request's UniTE run: the primary's cache, the other members' views, the text so far."""
+
+    def __init__(self, cfg: UniteConfig, members: list, req: Request) -> None:
+        self.cfg, self.req = cfg, req
+        self.ordered, self.weights, self.pstate, self.views = start_members(
+            members, req.main, req.weights, req.prompt_ids
+        )
+        self.prim = self.ordered[0]
+        self.pidx = vocab_index(self.prim)
+        self.plen = len(self.pstate.ids)
+        self.st = req.stats = UniteStats()
+        self.text = b""
+        if req.guide:
+            req.guide.check_budget(req.main, req.max_new_tokens)
+
+    def pick(self, logp: torch.Tensor) -> int:
+        return pick_token(logp, self.req.temperature, self.req.top_p, self.req.generator)
+
+    def next_key(self) -> tuple[Any, list[int] | None, bool]:
+        """The next key (bytes or EOS), its ids in the primary's vocabulary, and whether it closes
+        the reply (the grammar's shortest completion, written because the budget ends)."""
+        req, guide, main, text = self.req, self.req.guide, self.req.main, self.text
+        left = req.max_new_tokens - self.st.tokens_out
+        prow, ids_so_far = self.pstate.next_logprobs, self.pstate.ids[self.plen :]
+        forced = guide.forced_tokens(main, ids_so_far)[:left] if guide else []
+        tail = guide.closing(main, text, left) if guide and not forced else None
+        closed = False
+        if forced:  # the grammar forces these tokens: written without sampling
+            guide.forced += len(forced)
+            key, ids = b"".join(self.pidx.key_of(t) for t in forced), forced
+        elif tail is not None:  # the budget holds just the shortest completion: written now
+            key, ids, closed = tail, guide.spell(main, tail)[:left], True
+        elif valid_utf8_prefix(text) == len(text):
+            key, ids = self.ensemble(prow)
+        else:  # inside a multi-byte character: the primary completes it alone
+            tok = self.pick(guide.mask_row(main, ids_so_far, prow) if guide else prow)
+            key, ids = self.pidx.key_of(tok), [tok]
+            self.st.skipped_incomplete_utf8 += 1
+        if guide and not forced and not closed and key is not EOS and not guide.fits(main, text + key, left - len(ids)):
+            # after this key the shortest completion would not fit: write the completion instead
+            tail = guide.closing(main, text, 0) or b""
+            key, ids, closed = tail, guide.spell(main, tail)[:left], True
+        return key, ids, closed
+
+    def ensemble(self, prow: torch.Tensor) -> tuple[Any, list[int] | None]:
+        """The key picked from the weighted union of every member's next-token distribution
+        (masked by the grammar); the primary's best allowed token when no union key is allowed."""
+        guide, text = self.req.guide, self.text
+        rows = [prow]
+        for v in self.views:
+            v.sync(text.decode("utf-8"), from_byte=len(text))
+            rows.append(v.rows[len(text)])
+        dist = union_distribution(self.ordered, rows, self.weights, self.cfg.top_k)
+        logp = torch.log(dist.probs)
+        if guide:  # only keys whose bytes the grammar allows here (None: no key is)
+            logp = guide.key_logprobs(text, [None if k is EOS else k for k in dist.keys], logp)
+        if logp is not None:
+            key = dist.keys[self.pick(logp)]
+            self.st.tokens_ensembled += 1
+            return key, None if key is EOS else self.pidx.ids_for(key)
+        tok = self.pick(guide.mask_row(self.req.main, self.pstate.ids[self.plen :], prow))
+        return self.pidx.key_of(tok), [tok]

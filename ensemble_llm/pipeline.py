@@ -1,0 +1,191 @@
+"""One request's method run and its result (floor 3: imports the methods, guide, evidence, tools).
+
+`run_method` runs the method on every member's prompt under the request's deadline, passing its
+text through the stop matcher and the tool-markup filter to the caller; `make_result` gathers the
+reply, its usage and the run's figures (per-member forwards, weights, the guide's, the trace).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .chat import chat_stops, member_messages, render_chat, with_preamble
+from .errors import RequestError
+from .evidence import request_weights
+from .guide import Guide
+from .methods import Method, Request
+from .requests import Job
+from .results import GenerationResult, ToolCall, Usage
+from .stopping import StopPolicy
+from .streams import Output
+from .tools import ToolTextFilter
+
+if TYPE_CHECKING:
+    from .engine import Ensemble
+
+
+def jsonable(entry: dict) -> dict:
+    """A trace entry with byte strings as text (EOS as '<eos>'), ready for JSON."""
+    out = {}
+    for k, v in entry.items():
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", errors="replace")
+        elif v is not None and not isinstance(v, (str, int, float, bool, list, dict)):
+            v = "<eos>"
+        out[k] = v
+    return out
+
+
+@dataclass
+class MethodRun:
+    """One method run of a request: its Request (stats, finish reason) and the reply's parts."""
+
+    req: Request
+    filter: ToolTextFilter
+    tail: str = ""
+    text: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)  # the engine's own figures (tool policy)
+
+
+def member_prompts(engine: Ensemble, job: Job, tool_choice: str) -> tuple[list[str], StopPolicy]:
+    """Each member's prompt text (its own chat template or plain transcript, after its preamble)
+    and the request's stops with every member's end-of-turn markers."""
+    texts, stops = [], job.params.stops
+    tools = list(job.params.tools) if job.params.tools else None
+    for i, m in enumerate(engine.members):
+        if job.params.raw:
+            texts.append(job.prompt)
+            continue
+        msgs = [{"role": "user", "content": job.prompt}] if isinstance(job.prompt, str) else job.prompt
+        msgs = with_preamble(engine.member_preamble(i), msgs)
+        msgs, member_tools = member_messages(m, msgs, tools, tool_choice)
+        texts.append(render_chat(m, msgs, tools=member_tools))
+        stops = stops.plus(chat_stops(m))
+    return [t + job.head for t in texts], stops
+
+
+def make_request(
+    method: Method, members: list, job: Job, texts: list[str], stops: StopPolicy, weights: list[float], main: int
+) -> tuple[Request, dict[str, Any]]:
+    """The method's Request: every member's prompt ids (each within its context window), this
+    request's member weights from its own evidence (evidence.py), the seed, the grammar."""
+    p = job.params
+    prompt_ids = [m.prompt_ids(t) for m, t in zip(members, texts)]
+    room = []
+    for m, ids in zip(members, prompt_ids):
+        if len(ids) >= m.context_window:
+            raise RequestError(
+                f"the prompt is {len(ids)} tokens for {m.name}, whose context window is "
+                f"{m.context_window}; shorten the prompt or drop that member."
+            )
+        room.append(m.context_window - len(ids))
+    notes: dict[str, Any] = {}
+    weights, main = request_weights(method, members, job.prompt, p.raw, texts, prompt_ids, weights, main, notes)
+    generator = torch.Generator()
+    generator.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    req = Request(
+        prompt_ids,
+        min(p.max_new_tokens, *room),
+        p.temperature,
+        p.top_p,
+        generator,
+        stops=stops,
+        weights=weights,
+        main=main,
+        guide=Guide(p.constraint, members) if p.constraint else None,
+        trace=[] if p.trace else None,
+    )
+    return req, notes
+
+
+def run_method(
+    method: Method,
+    members: list,
+    job: Job,
+    texts: list[str],
+    stops: StopPolicy,
+    weights: list[float],
+    main: int,
+    out: Output,
+    cancel: threading.Event,
+) -> MethodRun:
+    """The method's run on every member's prompt, under the request's deadline, its text
+    passed through the stop matcher and the tool-markup filter to the caller."""
+    p = job.params
+    req, notes = make_request(method, members, job, texts, stops, weights, main)
+    # holds back tool-call markup and passes content through; with tool_choice "none" a call
+    # the model writes anyway (imitating its history) is cut from the content, not returned
+    run = MethodRun(req, ToolTextFilter(list(p.tools) if p.tools else None), notes=notes)
+    matcher = stops.matcher()
+    if job.head:  # the reply's fixed start, given at the end of the prompts
+        out.send(run.filter.feed(job.head))
+    gen = method.run(req)
+    try:
+        for piece in gen:
+            job.check_deadline()
+            out.send(run.filter.feed(matcher.feed(piece)))
+            if matcher.stopped or cancel.is_set():
+                req.finish_reason = "stop"
+                break
+    finally:
+        gen.close()
+    out.send(run.filter.feed(matcher.flush()))
+    run.tail, run.text, run.calls = run.filter.finish()
+    out.send(run.tail)
+    return run
+
+
+def member_stats(engine: Ensemble, before: list[tuple], tokens_out: int) -> dict[str, Any]:
+    """Each member's forwards, forward time and prefills during the run (and, on Ray, the bytes
+    moved to and from its actor and the round trips)."""
+    stats: dict[str, Any] = {"members": {}}
+    moved, ray = 0, engine.placement == "ray"
+    for m, (n0, t0, p0, b0, r0) in zip(engine.members, before):
+        n, t, p, b, r = m.counters()
+        stats["members"][m.name] = {"forward_passes": n - n0, "forward_time_s": round(t - t0, 4), "prefills": p - p0}
+        if ray:  # payload bytes to and from the member's actor, waits for its answers
+            stats["members"][m.name].update(bytes_moved=b - b0, round_trips=r - r0)
+            moved += b - b0
+    if ray:
+        stats["bytes_moved"] = moved
+        stats["bytes_moved_per_token"] = round(moved / max(1, tokens_out), 1)
+    return stats
+
+
+def make_result(
+    engine: Ensemble,
+    job: Job,
+    run: MethodRun,
+    calls: list[ToolCall],
+    main_prompt: str,
+    weights: list[float],
+    main: int,
+    before: list[tuple[int, float, int, int, int]],
+    out: Output,
+) -> GenerationResult:
+    """The reply, its usage (the main member's tokens) and the run's figures."""
+    members, req = engine.members, run.req
+    stats = {**req.stats.to_dict(), **run.notes}
+    raw_text = run.filter.text
+    written = raw_text.removeprefix(job.head)  # the head was in the prompt, not generated
+    usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(written)) if written else 0)
+    stats.update(member_stats(engine, before, req.stats.tokens_out))
+    if len(members) > 1 and engine.method_class.name != "single":
+        stats["member_weights"] = {m.name: round(w, 4) for m, w in zip(members, weights)}
+        stats["main_member"] = members[main].name
+    if req.guide is not None:
+        stats.update(req.guide.stats())
+    if req.trace is not None:
+        stats["trace"] = [jsonable(e) for e in req.trace]
+    stats["time_s"] = round(time.perf_counter() - out.t0, 4)
+    stats["time_to_first_chunk_s"] = None if out.first is None else round(out.first, 4)
+    finish = "tool_calls" if calls else req.finish_reason
+    return GenerationResult(
+        run.text, finish, usage, stats, engine.method_name, engine.model_names, calls, raw_text, req.stats
+    )
