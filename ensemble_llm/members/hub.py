@@ -10,6 +10,7 @@ counts as present only when every file of its tree listing is there (huggingface
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -35,6 +36,7 @@ OTHER_FORMATS = [
     "consolidated*",
 ]
 PICKLED_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # fetched only when the repo has no safetensors
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -100,15 +102,40 @@ def _hub_error(exc: Exception, repo: str, revision: str | None, what: str) -> Mo
     return ModelNotFoundError(msg)
 
 
-def _snapshot(repo: str, revision: str | None, ignore: list[str], progress: bool) -> Path:
-    """The repo's snapshot (files not matching `ignore`): from the cache when complete there, else
-    downloaded."""
+def usable(folder: Path) -> bool:
+    """A cached snapshot a model can load from: config, tokenizer and every weight file (all the
+    shards its index names). huggingface_hub checks a snapshot against its tree listing only when
+    that listing is cached; a snapshot that a lone file download (config.json) started has none."""
+    if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return False
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).is_file():
+            try:
+                shards = set(json.loads((folder / index).read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError):
+                return False
+            return all((folder / s).is_file() for s in shards)
+    return has_weights(folder)
+
+
+def _cached(repo: str, revision: str | None, ignore: list[str]) -> Path | None:
     from huggingface_hub import errors, snapshot_download
 
     try:
-        return Path(snapshot_download(repo, revision=revision, ignore_patterns=ignore, local_files_only=True))
-    except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError, OSError):
-        pass
+        folder = Path(snapshot_download(repo, revision=revision, ignore_patterns=ignore, local_files_only=True))
+    except (errors.LocalEntryNotFoundError, OSError):
+        return None
+    return folder if usable(folder) else None
+
+
+def _snapshot(repo: str, revision: str | None, ignore: list[str], progress: bool) -> Path:
+    """The repo's snapshot (files not matching `ignore`): from the cache when complete there, else
+    downloaded."""
+    from huggingface_hub import snapshot_download
+
+    folder = _cached(repo, revision, ignore)
+    if folder is not None:
+        return folder
     if offline():
         return_rev = f" --revision {revision}" if revision else ""
         raise _offline_error(repr(repo), f"hf download {repo}{return_rev}")
@@ -160,8 +187,6 @@ def remote_safetensors(repo: str, revision: str | None) -> tuple[dict[str, int],
     """(parameters per safetensors dtype, config dict) of a hub repo read over the network without
     downloading the weights (safetensors headers by HTTP range requests, config.json), or None when
     offline or the hub does not say."""
-    import json
-
     if offline():
         return None
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
@@ -176,14 +201,9 @@ def remote_safetensors(repo: str, revision: str | None) -> tuple[dict[str, int],
 
 def cached_folder(repo: str, revision: str | None = None) -> Path | None:
     """The repo's complete snapshot in the local cache, or None (nothing is downloaded)."""
-    from huggingface_hub import errors, snapshot_download
-
     for ignore in (OTHER_FORMATS + PICKLED_WEIGHTS, OTHER_FORMATS):
-        try:
-            folder = Path(snapshot_download(repo, revision=revision, ignore_patterns=ignore, local_files_only=True))
-        except (errors.LocalEntryNotFoundError, OSError):
-            return None
-        if has_weights(folder):
+        folder = _cached(repo, revision, ignore)
+        if folder is not None:
             return folder
     return None
 
