@@ -194,7 +194,7 @@ def _cmd_serve(args) -> int:
 
     from . import EnsembleError
 
-    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "prometheus_client")):
+    if not all(importlib.util.find_spec(m) for m in ("fastapi", "pydantic", "uvicorn", "prometheus_client")):
         print('error: serving needs the serve extra: pip install "ensemble-llm[serve]"', file=sys.stderr)
         return 2
     from .serve import serve

@@ -21,38 +21,70 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from .engine import Ensemble
 from .errors import EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
 from .params import GenerationParams
 from .results import GenerationResult
 
-# OpenAI body fields we read; any other field is refused by name (400), except these that
-# clients send routinely and that change nothing here
-KNOWN = {
-    "model",
-    "messages",
-    "prompt",
-    "tools",
-    "tool_choice",
-    "response_format",
-    "stop",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "stream",
-    "stream_options",
-    "n",
-    "timeout",
-    "user",
-    "parallel_tool_calls",
-    "frequency_penalty",
-    "presence_penalty",
-    "logprobs",
-    "metadata",
-    "store",
-}
+
+class _Body(BaseModel):
+    """The OpenAI body fields this server reads; any other field is refused by name (400). The
+    settings stay loosely typed here: GenerationParams checks them and names the fix."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+    stop: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    seed: Any = None
+    timeout: Any = None  # seconds: the request stops with 504 after it
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int | None = 1
+    # sent routinely by clients; they change nothing here
+    user: Any = None
+    parallel_tool_calls: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logprobs: Any = None
+    metadata: Any = None
+    store: Any = None
+
+
+class ChatBody(_Body):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict]
+
+
+class CompletionBody(_Body):
+    """POST /v1/completions: a raw prompt (one string, or a list of exactly one)."""
+
+    prompt: str | list[str]
+
+
+def _api_error(exc: ValidationError) -> "ApiError":
+    """A body pydantic refused, as a 400 naming the field (every unknown field at once)."""
+    errors = exc.errors()
+    extra = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
+    if extra:
+        return ApiError(400, f"unsupported field(s) {sorted(extra)}", param=sorted(extra)[0])
+    e = errors[0]
+    field = str(e["loc"][0]) if e["loc"] else None
+    hints = {
+        "messages": "'messages' must be a list of {'role', 'content'} objects",
+        "prompt": "'prompt' must be a string",
+    }
+    where = ".".join(str(x) for x in e["loc"])
+    return ApiError(400, f"{hints.get(field, where)}: {e['msg']} (got {e.get('input')!r:.200})", param=field)
 
 
 class ApiError(Exception):
@@ -106,14 +138,10 @@ def _from_engine_error(exc: EnsembleError) -> ApiError:
     return ApiError(400, str(exc))
 
 
-def _messages(raw: Any) -> list[dict]:
+def _messages(raw: list[dict]) -> list[dict]:
     """OpenAI chat messages -> the engine's (tool-call arguments parsed from their JSON text)."""
-    if not isinstance(raw, list):
-        raise ApiError(400, "'messages' must be a list of {'role', 'content'} objects", param="messages")
     out = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
         m = dict(m)
         if m.get("role") == "developer":
             m["role"] = "system"
@@ -146,32 +174,24 @@ def _messages(raw: Any) -> list[dict]:
     return out
 
 
-def _params(body: dict, *, raw: bool) -> GenerationParams:
-    unknown = sorted(set(body) - KNOWN)
-    if unknown:
-        raise ApiError(400, f"unsupported field(s) {unknown}", param=unknown[0])
-    n = body.get("n", 1)
-    if n not in (1, None):
+def _params(body: _Body, *, raw: bool) -> GenerationParams:
+    if body.n not in (1, None):
         raise ApiError(
-            400, f"n={n!r}: this server returns one choice per request; send n=1 (or several requests)", param="n"
+            400, f"n={body.n!r}: this server returns one choice per request; send n=1 (or several requests)", param="n"
         )
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     settings: dict[str, Any] = {"raw": raw}
-    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"), ("timeout", "timeout")):
-        if body.get(src) is not None:
-            settings[dst] = body[src]
+    for name in ("temperature", "top_p", "seed", "timeout", "stop", "response_format"):
+        if getattr(body, name) is not None:
+            settings[name] = getattr(body, name)
     if max_tokens is not None:
         settings["max_new_tokens"] = max_tokens
-    if body.get("stop") is not None:
-        settings["stop"] = body["stop"]
-    if body.get("tools"):
-        settings["tools"] = tuple(body["tools"])
-        if body.get("tool_choice") is not None:
-            settings["tool_choice"] = body["tool_choice"]
-    elif body.get("tool_choice") not in (None, "none", "auto"):
+    if body.tools:
+        settings["tools"] = tuple(body.tools)
+        if body.tool_choice is not None:
+            settings["tool_choice"] = body.tool_choice
+    elif body.tool_choice not in (None, "none", "auto"):
         raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-    if body.get("response_format") is not None:
-        settings["response_format"] = body["response_format"]
     try:
         return GenerationParams(**settings)
     except RequestError as exc:
@@ -236,10 +256,118 @@ def _usage(result: GenerationResult) -> dict:
     return result.usage.to_dict()
 
 
+def _check_key(srv: Server, request) -> None:
+    if srv.api_key is not None:
+        auth = request.headers.get("authorization", "")
+        # constant-time comparison: the time a wrong key takes says nothing about the right one
+        if not secrets.compare_digest(auth.encode(), f"Bearer {srv.api_key}".encode()):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                None,
+                "invalid_api_key",
+            )
+
+
+async def _read(request, model: type[_Body]) -> _Body:
+    """The request body as `model` (ChatBody or CompletionBody), or a 400 naming what is wrong."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+
+
+async def _run(engine: Ensemble, request, prompt: Any, params: GenerationParams) -> GenerationResult:
+    """One non-streamed request; a client that disconnects cancels it."""
+    stream = engine.astream(prompt, params)
+
+    async def consume():
+        async for _ in stream:
+            pass
+        return stream.result
+
+    task = asyncio.ensure_future(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # the stream's cleanup tells the engine: no further forward pass
+            raise ApiError(499, "the client disconnected", "cancelled")
+    return task.result()
+
+
+def _reply(srv: Server, result: GenerationResult, rid: str, created: int, chat: bool) -> dict:
+    """A non-streamed reply in OpenAI's shape, with the ensemble's figures."""
+    if chat:
+        message = {"role": "assistant", "content": result.text if (result.text or not result.tool_calls) else None}
+        if result.tool_calls:
+            message["tool_calls"] = _tool_calls(result)
+        choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": srv.model_id,
+        "choices": [choice],
+        "usage": _usage(result),
+        "ensemble": srv.ensemble_field(result),
+    }
+
+
+async def _handle(srv: Server, request, endpoint: str, chat: bool):
+    """One completion request: checked, admitted to the queue, run (or streamed), answered."""
+    from fastapi.responses import StreamingResponse
+
+    engine = srv.engine
+    _check_key(srv, request)
+    body = await _read(request, ChatBody if chat else CompletionBody)
+    if chat:
+        prompt = _messages(body.messages)
+    else:
+        prompt = body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string", param="prompt")
+    params = _params(body, raw=not chat)
+    try:
+        engine.check_request(prompt, params)
+    except RequestError as exc:
+        raise _from_engine_error(exc) from None
+    srv.admit()
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(
+            _sse(srv, engine, prompt, params, rid, created, chat, include_usage, endpoint),
+            media_type="text/event-stream",
+        )
+    t0 = time.perf_counter()
+    try:
+        result = await _run(engine, request, prompt, params)
+    except EnsembleError as exc:
+        raise _from_engine_error(exc) from None
+    finally:
+        srv.release()
+    srv.seconds.labels(engine.method_name).observe(time.perf_counter() - t0)
+    srv.tokens.inc(result.usage.completion_tokens)
+    srv.requests.labels(endpoint, "200").inc()
+    return _reply(srv, result, rid, created, chat)
+
+
 def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int = 64):
     """The FastAPI app serving `engine` (see the module doc)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from prometheus_client import generate_latest
 
     srv = Server(engine, api_key=api_key, max_queue=max_queue)
@@ -251,35 +379,13 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
         srv.requests.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    def check_key(request: Request) -> None:
-        if srv.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            # constant-time comparison: the time a wrong key takes says nothing about the right one
-            if not secrets.compare_digest(auth.encode(), f"Bearer {srv.api_key}".encode()):
-                raise ApiError(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    "authentication_error",
-                    None,
-                    "invalid_api_key",
-                )
-
-    async def body_of(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
-
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": srv.model_id, "queue": srv.in_flight}
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_key(request)
+        _check_key(srv, request)
         return {
             "object": "list",
             "data": [{"id": srv.model_id, "object": "model", "created": 0, "owned_by": "ensemble-llm"}],
@@ -289,84 +395,13 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
     async def metrics():
         return PlainTextResponse(generate_latest(srv.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    async def run(request: Request, prompt: Any, params: GenerationParams) -> GenerationResult:
-        """One non-streamed request; a client that disconnects cancels it."""
-        stream = engine.astream(prompt, params)
-
-        async def consume():
-            async for _ in stream:
-                pass
-            return stream.result
-
-        task = asyncio.ensure_future(consume())
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # the stream's cleanup tells the engine: no further forward pass
-                raise ApiError(499, "the client disconnected", "cancelled")
-        return task.result()
-
-    async def handle(request: Request, endpoint: str, chat: bool):
-        check_key(request)
-        body = await body_of(request)
-        if chat:
-            prompt = _messages(body.get("messages"))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise ApiError(400, "'prompt' must be a string", param="prompt")
-        params = _params(body, raw=not chat)
-        try:
-            engine.check_request(prompt, params)
-        except RequestError as exc:
-            raise _from_engine_error(exc) from None
-        srv.admit()
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(
-                _sse(srv, engine, prompt, params, rid, created, chat, include_usage, endpoint),
-                media_type="text/event-stream",
-            )
-        t0 = time.perf_counter()
-        try:
-            result = await run(request, prompt, params)
-        except EnsembleError as exc:
-            raise _from_engine_error(exc) from None
-        finally:
-            srv.release()
-        srv.seconds.labels(engine.method_name).observe(time.perf_counter() - t0)
-        srv.tokens.inc(result.usage.completion_tokens)
-        srv.requests.labels(endpoint, "200").inc()
-        if chat:
-            message = {"role": "assistant", "content": result.text if (result.text or not result.tool_calls) else None}
-            if result.tool_calls:
-                message["tool_calls"] = _tool_calls(result)
-            choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-            obj = "text_completion"
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": srv.model_id,
-            "choices": [choice],
-            "usage": _usage(result),
-            "ensemble": srv.ensemble_field(result),
-        }
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(request, "/v1/chat/completions", chat=True)
+        return await _handle(srv, request, "/v1/chat/completions", chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(request, "/v1/completions", chat=False)
+        return await _handle(srv, request, "/v1/completions", chat=False)
 
     return app
 

@@ -163,6 +163,9 @@ def test_completions_raw_prompt(client):
         ({"temperature": -1}, 400, "temperature"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"n": 2}, 400, "n"),
+        ({"extra_body": {"best_of": 3}}, 400, "best_of"),  # a field the server does not read
+        ({"messages": ["hi"]}, 400, "messages"),  # a message that is not an object
+        ({"extra_body": {"stream_options": "yes"}}, 400, "stream_options"),
         ({"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
         ({"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, None),
         ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None),
