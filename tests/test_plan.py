@@ -152,3 +152,28 @@ def test_the_bundled_pair_planned_from_their_gguf_files():
     assert smol.kv_per_token == 2 * 30 * 3 * 64 * 4 and gemma.kv_per_token == 2 * 18 * 1 * 256 * 2
     table = plan.table()
     assert "134.5M" in table and "268.1M" in table and "cpu: needs" in table and "fits" in table
+
+
+def _engine_has_plan() -> bool:
+    from ensemble_llm.engine import Ensemble
+
+    return hasattr(Ensemble, "plan")
+
+
+@pytest.mark.skipif(not _engine_has_plan(), reason="the engine wiring (/tmp/issue26_wiring.patch) is not applied")
+def test_engine_and_cli_refuse_an_impossible_set_before_loading(tmp_path, tiny_dirs, tokenizer_dirs, capsys):
+    from ensemble_llm import Ensemble
+    from ensemble_llm.cli import main
+
+    huge = tmp_path / "huge"
+    write_huge_model(huge, tokenizer_dirs[SMOL])
+    eng = Ensemble([str(huge), tiny_dirs["smol"]], method="unite", device="cpu")
+    assert "DOES NOT FIT" in eng.plan().table()
+    with pytest.raises(ConfigError, match="members huge"):
+        eng.load()
+    assert eng._members is None  # nothing loaded
+    assert main(["models", "plan", "--members", f"{huge},{tiny_dirs['smol']}", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out and "error: the members do not fit in memory" in captured.err
+    assert main(["models", "plan", "--members", tiny_dirs["smol"], "--device", "cpu", "--context", "128"]) == 0
+    assert "fits" in capsys.readouterr().out
