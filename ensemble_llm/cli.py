@@ -166,7 +166,7 @@ def _run_and_write(args, models, run, write) -> int:
 
 def _cmd_bench_constraints(args) -> int:
     from . import DEFAULT_MODELS
-    from .bench_constraints import run_constraint_bench, write
+    from .bench.constraints import run_constraint_bench, write
 
     models = args.models.split(",") if args.models else list(DEFAULT_MODELS)
     return _run_and_write(

@@ -210,7 +210,7 @@ def test_a_tool_message_without_its_call_id_is_a_clear_error_everywhere(tiny_dir
 # ---- the bench's tight-budget section ----------------------------------------------------------
 def test_bench_tight_section_counts_valid_replies_per_method(tiny_dirs, tmp_path):
     from ensemble_llm.bench import MethodSpec
-    from ensemble_llm.bench_constraints import load_schemas, markdown, run_constraint_bench, write
+    from ensemble_llm.bench.constraints import load_schemas, markdown, run_constraint_bench, write
 
     tight = load_schemas(corpus="schemas_tight.jsonl")
     assert len(tight) >= 8 and {"poem", "node"} <= {r["name"] for r in tight}

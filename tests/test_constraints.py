@@ -351,7 +351,7 @@ def real_engines(real_dirs):
 @pytest.mark.real
 @pytest.mark.parametrize("method", ["single", "unite", "safe", "specfuse", "smc"])
 def test_real_pair_forced_calls_validate(real_engines, method):
-    from ensemble_llm.bench_constraints import _tool, load_schemas
+    from ensemble_llm.bench.constraints import _tool, load_schemas
 
     eng = real_engines[method]
     rows = [r for r in load_schemas() if r["name"] in REAL_SCHEMAS]

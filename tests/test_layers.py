@@ -50,7 +50,20 @@ FLOORS = {
         "pipeline",
     },
     4: {"engine"},
-    5: {"", "__main__", "serve", "client", "bench", "bench_constraints", "cli"},
+    5: {
+        "",
+        "__main__",
+        "serve",
+        "client",
+        "cli",
+        "bench",
+        "bench.tasks",
+        "bench.specs",
+        "bench.stats",
+        "bench.run",
+        "bench.report",
+        "bench.constraints",
+    },
 }
 FLOOR = {m: f for f, ms in FLOORS.items() for m in ms}
 

@@ -1,4 +1,4 @@
-"""`ensemble-llm bench-constraints`: grammar-constrained decoding measured per method.
+"""`ensemble-llm bench-constraints` (floor 5): grammar-constrained decoding measured per method.
 
 Two sections, every method on the same prompts, interleaved:
 - **forced calls**: each JSON Schema of the bundled corpus (`data/schemas.jsonl`: nested objects,
@@ -27,9 +27,10 @@ from typing import Any, Sequence
 
 import jsonschema
 
-from .bench import MethodSpec, _progress
-from .engine import Ensemble
-from .errors import ConfigError
+from ..engine import Ensemble
+from ..errors import ConfigError
+from .run import _progress
+from .specs import MethodSpec
 
 SECTIONS = ("calls", "cost", "tight")
 
@@ -80,9 +81,31 @@ def run_constraint_bench(
     cost_rows = schemas[:cost_prompts] if "cost" in sections else []
     call_rows = schemas if "calls" in sections else []
     bar = _progress(len(engines) * (len(call_rows) + 2 * len(cost_rows) + len(tight)), progress)
-    calls: dict[str, list[dict]] = {k: [] for k in engines}
     t_start = time.perf_counter()
-    for row in call_rows:
+    calls = _calls(engines, call_rows, max_new_tokens, bar)
+    cost = _cost(engines, cost_rows, cost_tokens, bar)
+    tight_rows = _tight(engines, tight, tight_tokens, bar)
+    bar.close()
+    results: dict[str, Any] = {
+        "models": list(models),
+        "schemas": len(call_rows),
+        "cost_prompts": len(cost_rows),
+        "max_new_tokens": max_new_tokens,
+        "cost_tokens": cost_tokens,
+        "sections": list(sections),
+        "tight_schemas": len(tight),
+        "tight_tokens": tight_tokens,
+        "wall_time_s": round(time.perf_counter() - t_start, 1),
+        "methods": {key: _calls_row(rows, cost[key]) for key, rows in calls.items() if rows},
+        "tight": {key: _tight_row(rows) for key, rows in tight_rows.items() if rows},
+    }
+    return results
+
+
+def _calls(engines: dict[str, Ensemble], rows: list[dict], max_new_tokens: int, bar) -> dict[str, list[dict]]:
+    """Each schema as a forced tool call, every engine in turn; the call validated."""
+    calls: dict[str, list[dict]] = {k: [] for k in engines}
+    for row in rows:
         tool = _tool(row)
         for key, eng in engines.items():
             res = eng.generate(row["prompt"], tools=[tool], tool_choice=row["name"], max_new_tokens=max_new_tokens)
@@ -111,11 +134,16 @@ def run_constraint_bench(
             )
             bar.update()
             bar.set_postfix_str(f"calls: {key}")
+    return calls
+
+
+def _cost(engines: dict[str, Ensemble], rows: list[dict], cost_tokens: int, bar) -> dict[str, dict[str, float]]:
+    """The same prompts answered freely and with the schema as response_format."""
     cost: dict[str, dict[str, float]] = {
         k: {"free_s": 0.0, "free_tokens": 0, "json_s": 0.0, "json_tokens": 0, "matcher_s": 0.0, "json_valid": 0}
         for k in engines
     }
-    for row in cost_rows:
+    for row in rows:
         fmt = {"type": "json_schema", "json_schema": {"name": row["name"], "schema": row["schema"]}}
         for key, eng in engines.items():
             free = eng.generate(row["prompt"], max_new_tokens=cost_tokens)
@@ -133,8 +161,13 @@ def run_constraint_bench(
                 c["json_valid"] += 1
             except (ValueError, jsonschema.ValidationError):
                 pass
+    return cost
+
+
+def _tight(engines: dict[str, Ensemble], rows: list[dict], tight_tokens: int, bar) -> dict[str, list[dict]]:
+    """The tight-budget schemas as response_format at `tight_tokens`; each reply validated."""
     tight_rows: dict[str, list[dict]] = {k: [] for k in engines}
-    for row in tight:
+    for row in rows:
         fmt = {"type": "json_schema", "json_schema": {"name": row["name"], "schema": row["schema"]}}
         for key, eng in engines.items():
             res = eng.generate(row["prompt"], response_format=fmt, max_new_tokens=tight_tokens)
@@ -161,64 +194,47 @@ def run_constraint_bench(
             )
             bar.update()
             bar.set_postfix_str(f"tight: {key}")
-    bar.close()
-    results: dict[str, Any] = {
-        "models": list(models),
-        "schemas": len(call_rows),
-        "cost_prompts": len(cost_rows),
-        "max_new_tokens": max_new_tokens,
-        "cost_tokens": cost_tokens,
-        "sections": list(sections),
-        "tight_schemas": len(tight),
-        "tight_tokens": tight_tokens,
-        "wall_time_s": round(time.perf_counter() - t_start, 1),
-        "methods": {},
-        "tight": {},
+    return tight_rows
+
+
+def _tight_row(rows: list[dict]) -> dict[str, Any]:
+    fitting = [r for r in rows if r["fits"]]
+    return {
+        "valid": sum(r["valid"] for r in rows),
+        "total": len(rows),
+        "fitting": len(fitting),
+        "valid_of_fitting": sum(r["valid"] for r in fitting),
+        "closed_early": sum(r["closed_early"] for r in rows),
+        "finish": {f: sum(r["finish_reason"] == f for r in rows) for f in sorted({r["finish_reason"] for r in rows})},
+        "seconds_per_call": sum(r["time_s"] for r in rows) / len(rows),
+        "tokens_per_call": sum(r["tokens_out"] for r in rows) / len(rows),
+        "failures": [r for r in rows if not r["valid"]],
+        "rows": rows,
     }
-    for key, rows in tight_rows.items():
-        if not rows:
-            continue
-        fitting = [r for r in rows if r["fits"]]
-        results["tight"][key] = {
-            "valid": sum(r["valid"] for r in rows),
-            "total": len(rows),
-            "fitting": len(fitting),
-            "valid_of_fitting": sum(r["valid"] for r in fitting),
-            "closed_early": sum(r["closed_early"] for r in rows),
-            "finish": {
-                f: sum(r["finish_reason"] == f for r in rows) for f in sorted({r["finish_reason"] for r in rows})
-            },
-            "seconds_per_call": sum(r["time_s"] for r in rows) / len(rows),
-            "tokens_per_call": sum(r["tokens_out"] for r in rows) / len(rows),
-            "failures": [r for r in rows if not r["valid"]],
-            "rows": rows,
-        }
-    for key, rows in calls.items():
-        if not rows:
-            continue
-        n = len(rows)
-        c = cost[key]
-        free_tok = c["free_s"] / max(1, c["free_tokens"])
-        json_tok = c["json_s"] / max(1, c["json_tokens"])
-        results["methods"][key] = {
-            "valid": sum(r["valid"] for r in rows),
-            "calls": n,
-            "seconds_per_call": sum(r["time_s"] for r in rows) / n,
-            "tokens_per_call": sum(r["tokens_out"] for r in rows) / n,
-            "forced_fraction": sum(r["forced"] for r in rows) / max(1, sum(r["tokens_out"] for r in rows)),
-            "max_prefills_per_member": max(max(r["prefills"].values()) for r in rows),
-            "forward_passes_per_call": {m: sum(r["forward_passes"][m] for r in rows) / n for m in rows[0]["prefills"]},
-            "matcher_share_of_call_time": sum(r["constraint_time_s"] for r in rows)
-            / max(1e-9, sum(r["time_s"] for r in rows)),
-            "free_time_per_token_s": free_tok,
-            "json_time_per_token_s": json_tok,
-            "json_over_free": json_tok / free_tok if free_tok else None,
-            "matcher_share_of_json_time": c["matcher_s"] / max(1e-9, c["json_s"]),
-            "json_valid": c["json_valid"],
-            "failures": [r for r in rows if not r["valid"]],
-            "calls_detail": rows,
-        }
-    return results
+
+
+def _calls_row(rows: list[dict], c: dict[str, float]) -> dict[str, Any]:
+    n = len(rows)
+    free_tok = c["free_s"] / max(1, c["free_tokens"])
+    json_tok = c["json_s"] / max(1, c["json_tokens"])
+    return {
+        "valid": sum(r["valid"] for r in rows),
+        "calls": n,
+        "seconds_per_call": sum(r["time_s"] for r in rows) / n,
+        "tokens_per_call": sum(r["tokens_out"] for r in rows) / n,
+        "forced_fraction": sum(r["forced"] for r in rows) / max(1, sum(r["tokens_out"] for r in rows)),
+        "max_prefills_per_member": max(max(r["prefills"].values()) for r in rows),
+        "forward_passes_per_call": {m: sum(r["forward_passes"][m] for r in rows) / n for m in rows[0]["prefills"]},
+        "matcher_share_of_call_time": sum(r["constraint_time_s"] for r in rows)
+        / max(1e-9, sum(r["time_s"] for r in rows)),
+        "free_time_per_token_s": free_tok,
+        "json_time_per_token_s": json_tok,
+        "json_over_free": json_tok / free_tok if free_tok else None,
+        "matcher_share_of_json_time": c["matcher_s"] / max(1e-9, c["json_s"]),
+        "json_valid": c["json_valid"],
+        "failures": [r for r in rows if not r["valid"]],
+        "calls_detail": rows,
+    }
 
 
 def markdown(results: dict) -> str:
