@@ -220,23 +220,31 @@ def _cmd_serve(args) -> int:
 
 from .bench import DEFAULT_METHODS, DEFAULT_TASKS, SUITE  # noqa: E402  (light: no model code runs at import)
 
+MODELS_HELP = "comma-separated members (default: the bundled pair)"
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ensemble-llm", description="Ensembles of local causal LMs.")
-    sub = p.add_subparsers(dest="command", required=True)
+
+def _add_members(p: argparse.ArgumentParser) -> None:
+    """The options every command that builds an engine takes: the members and the device."""
+    p.add_argument("--models", default=None, help=MODELS_HELP)
+    p.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="answer a prompt with the ensemble")
     g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    g.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    _add_members(g)
     g.add_argument("--method", default=BEST_METHOD)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--device", default="auto")
     _add_placement(g)
     g.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--stats", action="store_true", help="print usage and stats as JSON on stderr")
     g.set_defaults(func=_cmd_generate)
+
+
+def _add_models(sub) -> None:
     m = sub.add_parser("models", help="bundled models")
     msub = m.add_subparsers(dest="models_command", required=True)
     ml = msub.add_parser("list", help="list bundled models and whether they are ready")
@@ -244,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     mp = msub.add_parser("pull", help="fetch and convert bundled models (default: the default pair)")
     mp.add_argument("names", nargs="*")
     mp.set_defaults(func=_cmd_models_pull)
+
+
+def _add_bench(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="speed, cost and quality of every method side by side, with plots",
@@ -251,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         "results.md and PNG plots. Methods: names with optional config, e.g. "
         "'single' (one per member), 'safe', 'smc:f=min,n_particles=4'.",
     )
-    b.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    _add_members(b)
     b.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help=f"default: {' '.join(DEFAULT_METHODS)}")
     b.add_argument(
         "--tasks",
@@ -275,10 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="give no member a preamble (measures what the base-model preamble does)",
     )
-    b.add_argument("--device", default="auto")
     b.add_argument("--out", default="bench-results")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_cmd_bench)
+
+
+def _add_bench_constraints(sub) -> None:
     c = sub.add_parser(
         "bench-constraints",
         help="grammar-constrained decoding per method: valid calls and cost",
@@ -286,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with jsonschema), and answers prompts freely and with the schema as "
         "response_format (the constraint's cost per token).",
     )
-    c.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    _add_members(c)
     c.add_argument("--methods", nargs="+", default=["single", "unite", "safe", "specfuse", "smc:n_particles=2"])
     c.add_argument("--schemas", type=int, default=None, help="the first N schemas of the corpus (default: all 32)")
     c.add_argument("--cost-prompts", type=int, default=6, help="schemas also run free vs response_format")
@@ -306,25 +319,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the first N schemas of the tight-budget corpus (default: all 11)",
     )
-    c.add_argument("--device", default="auto")
     c.add_argument("--out", default="bench-constraints")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_bench_constraints)
+
+
+def _add_serve(sub) -> None:
     sv = sub.add_parser(
         "serve",
         help="serve the ensemble over an OpenAI-compatible HTTP API",
         description="POST /v1/chat/completions and /v1/completions (streams as server-sent "
         "events), GET /v1/models, /health and /metrics. Binds to 127.0.0.1 unless told.",
     )
-    sv.add_argument("--models", default=None, help="comma-separated members (default: the bundled pair)")
+    _add_members(sv)
     sv.add_argument("--method", default=None, help="default: safe for 2+ members, else single")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting or running before 429")
-    sv.add_argument("--device", default="auto")
     _add_placement(sv)
     sv.set_defaults(func=_cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ensemble-llm", description="Ensembles of local causal LMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_models, _add_bench, _add_bench_constraints, _add_serve):
+        add(sub)
     return p
 
 
