@@ -366,10 +366,14 @@ def served(tmp_path_factory, tokenizers):
     hub.close()
 
 
-def test_first_download_revision_missing_repo_and_a_resumed_drop(served, tmp_path):
-    hub, folders, commits = served
-    env = worker_env(hub, tmp_path)
-    results, out = run_worker(
+@pytest.fixture(scope="module")
+def first_start(served, tmp_path_factory):
+    """One process on an empty cache: a plan, first downloads, a revision, a missing repo and
+    revision, a dropped connection resumed, a broken download then its retry; returns (its cache
+    home, the results)."""
+    hub, _, _ = served
+    home = tmp_path_factory.mktemp("first_start")
+    results, _ = run_worker(
         [
             {"op": "plan", "spec": "tiny/remote"},
             {"op": "load", "spec": "tiny/smol"},
@@ -378,10 +382,19 @@ def test_first_download_revision_missing_repo_and_a_resumed_drop(served, tmp_pat
             {"op": "load", "spec": "tiny/nowhere"},
             {"op": "load", "spec": "tiny/versions", "options": {"revision": "v9"}},
             {"op": "load", "spec": "tiny/flaky"},
+            {"op": "load", "spec": "tiny/broken"},
+            {"op": "files", "root": str(home / "hf" / "hub" / "models--tiny--broken")},
+            {"op": "load", "spec": "tiny/broken"},
         ],
-        env,
+        worker_env(hub, home),
     )
-    plan, smol, v1, main, missing, bad_rev, flaky = results
+    return home, results
+
+
+def test_first_download_revision_missing_repo_and_a_resumed_drop(served, first_start):
+    hub, folders, commits = served
+    _, results = first_start
+    plan, smol, v1, main, missing, bad_rev, flaky = results[:7]
     # the plan of a model not downloaded: the hub's safetensors metadata (header by range request) + config.json
     from ensemble_llm.members.plan import safetensors_params
 
@@ -416,17 +429,17 @@ def test_first_download_revision_missing_repo_and_a_resumed_drop(served, tmp_pat
     assert flaky["ids"] == greedy_ids(str(folders[3]))
 
 
-def test_a_cached_model_starts_without_the_hub_and_offline_keeps_the_clear_error(served, tmp_path):
+def test_a_cached_model_starts_without_the_hub_and_offline_keeps_the_clear_error(served, first_start):
     hub, folders, _ = served
-    first, _ = run_worker([{"op": "load", "spec": "tiny/smol"}], worker_env(hub, tmp_path))
-    folder = ok(first[0])["folder"]
+    home, results = first_start
+    folder = ok(results[1])["folder"]  # tiny/smol, downloaded by the first start
     before = len(hub.log)
-    again, _ = run_worker([{"op": "load", "spec": "tiny/smol"}], worker_env(hub, tmp_path))
+    again, _ = run_worker([{"op": "load", "spec": "tiny/smol"}], worker_env(hub, home))
     assert ok(again[0])["folder"] == folder
     assert hub.log[before:] == []  # a complete cached snapshot: not one request, no weight fetched again
     offline, _ = run_worker(
         [{"op": "load", "spec": "tiny/smol"}, {"op": "load", "spec": "tiny/other"}],
-        worker_env(hub, tmp_path, offline=True),
+        worker_env(hub, home, offline=True),
     )
     assert ok(offline[0])["folder"] == folder
     assert offline[1]["type"] == "ModelNotFoundError"
@@ -436,18 +449,10 @@ def test_a_cached_model_starts_without_the_hub_and_offline_keeps_the_clear_error
     assert hub.log[before:] == []
 
 
-def test_a_broken_download_leaves_nothing_half_written_and_the_next_start_completes_it(served, tmp_path):
+def test_a_broken_download_leaves_nothing_half_written_and_the_next_start_completes_it(served, first_start):
     hub, folders, _ = served
-    cache = tmp_path / "hf" / "hub" / "models--tiny--broken"
-    results, _ = run_worker(
-        [
-            {"op": "load", "spec": "tiny/broken"},
-            {"op": "files", "root": str(cache)},
-            {"op": "load", "spec": "tiny/broken"},
-        ],
-        worker_env(hub, tmp_path),
-    )
-    failed, files, loaded = results
+    _, results = first_start
+    failed, files, loaded = results[7:]
     assert failed["type"] == "ModelNotFoundError"
     assert "downloading its files from hub repo 'tiny/broken' failed" in failed["message"]
     assert "Nothing half-written was kept" in failed["message"]

@@ -2,6 +2,8 @@
 
 from .loader import Source, clear_cache, load_member, resolve_device, resolve_dtype, resolve_source
 from .member import KVState, Member
+from .options import MemberOptions, member_options
+from .plan import MemoryPlan, plan_members
 from .protocol import TokenLM
 from .registry import BUNDLED, DEFAULT_MODELS
 
@@ -10,10 +12,14 @@ __all__ = [
     "DEFAULT_MODELS",
     "KVState",
     "Member",
+    "MemberOptions",
+    "MemoryPlan",
     "Source",
     "TokenLM",
     "clear_cache",
     "load_member",
+    "member_options",
+    "plan_members",
     "resolve_device",
     "resolve_dtype",
     "resolve_source",
