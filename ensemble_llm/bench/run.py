@@ -139,7 +139,24 @@ def run_bench(
         for task, (shots, exs) in task_data.items()
     }
     bar.close()
-    results: dict[str, Any] = {
+    results = _header(models, third_member, preambles, engines, speed_prompts, max_new_tokens, quality, t_start)
+    for spec in specs:
+        results["methods"][spec.label] = _method_row(spec, engines[spec.label], speed[spec.label], quality, results)
+    base = "single-0" if "single-0" in engines else None
+    if base and results["methods"][base]["time_per_token_s"] > 0:
+        for row in results["methods"].values():
+            row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
+    add_main_ratios(results, [m.name for m in first])
+    results["samples"] = {t: q["samples"] for t, q in quality.items()}
+    results["hits"] = {t: q["hits"] for t, q in quality.items()}
+    results["comparison"] = compare_to_members(quality)
+    return results
+
+
+def _header(models, third_member, preambles, engines, speed_prompts, max_new_tokens, quality, t_start) -> dict:
+    """The run's setting: members, devices, dtype, versions, machine, budgets, examples, wall time."""
+    first = next(iter(engines.values())).members
+    return {
         "models": models,
         "third_member": third_member,
         "preambles": preambles,
@@ -155,17 +172,6 @@ def run_bench(
         "wall_time_s": round(time.perf_counter() - t_start, 1),
         "methods": {},
     }
-    for spec in specs:
-        results["methods"][spec.label] = _method_row(spec, engines[spec.label], speed[spec.label], quality, results)
-    base = "single-0" if "single-0" in engines else None
-    if base and results["methods"][base]["time_per_token_s"] > 0:
-        for row in results["methods"].values():
-            row["ratio_to_single_0"] = row["time_per_token_s"] / results["methods"][base]["time_per_token_s"]
-    add_main_ratios(results, [m.name for m in first])
-    results["samples"] = {t: q["samples"] for t, q in quality.items()}
-    results["hits"] = {t: q["hits"] for t, q in quality.items()}
-    results["comparison"] = compare_to_members(quality)
-    return results
 
 
 def _specs(models, methods, tasks, speed_prompts: int, max_new_tokens: int, third_member) -> list[MethodSpec]:

@@ -110,9 +110,6 @@ def place_members(
     resources). Resources the cluster cannot give fail here, before any model loads. Each actor
     fetches (and converts) its model where it runs; the caller gets the tokenizer files from it."""
     ray = connect(ray_address)
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     total = ray.cluster_resources()
     has_gpu = total.get("GPU", 0) > 0
     res = member_resources or [{} for _ in specs]
@@ -121,67 +118,92 @@ def place_members(
     with _ACTORS_LOCK:
         todo = [i for i, k in enumerate(keys) if k not in _ACTORS or not _alive(_ACTORS[k])]
         if todo:
-            need: dict[str, float] = {}
-            for i in todo:
-                for k, v in bundles[i].items():
-                    need[k] = need.get(k, 0.0) + v
-            short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0) + 1e-9}
-            if short:
-                raise ConfigError(
-                    "the Ray cluster cannot place these members: "
-                    + "; ".join(f"{k} needs {v:g}, the cluster has {have:g}" for k, (v, have) in sorted(short.items()))
-                    + f" (bundles {[bundles[i] for i in todo]}). Add nodes with those resources or lower "
-                    "member_resources (e.g. {'num_cpus': 1, 'num_gpus': 0} on a CPU-only cluster)."
-                )
-            pg = placement_group([bundles[i] for i in todo], strategy="PACK")
-            ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-            if not ready:
-                remove_placement_group(pg)
-                raise ConfigError(
-                    f"the Ray cluster did not find room for the members within {PLACEMENT_TIMEOUT_S:g} s "
-                    f"(bundles {[bundles[i] for i in todo]}, available {ray.available_resources()}); other "
-                    "jobs hold the resources, or lower member_resources."
-                )
-            cls = ray.remote(MemberActor)
-            made = []
-            for j, i in enumerate(todo):
-                b = bundles[i]
-                threads = res[i].get("torch_threads") or max(1, int(b.get("CPU", 1)))
-                actor = cls.options(
-                    num_cpus=b.get("CPU", 0),
-                    num_gpus=b.get("GPU", 0),
-                    memory=b.get("memory"),
-                    resources={k: v for k, v in b.items() if k not in ("CPU", "GPU", "memory")} or None,
-                    max_restarts=MAX_RESTARTS,
-                    max_task_retries=0,
-                    name=None,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=j),
-                ).remote(
-                    specs[i], str(dtype), None if cache_dir is None else str(cache_dir), trust_remote_code, threads
-                )
-                made.append((i, actor, actor.info.remote()))
-            placed = []
-            try:
-                for i, actor, info_ref in made:
-                    try:
-                        info = ray.get(info_ref)
-                    except ray.exceptions.RayActorError as exc:
-                        raise ConfigError(f"member {names[i]!r} could not load in its Ray actor: {exc}") from exc
-                    member = RayMember(
-                        actor, info, actor_tokenizer(actor, cache_dir), spec=specs[i], resources=bundles[i]
-                    )
-                    member.placement_group = pg
-                    placed.append((keys[i], member))
-                    log.info("placed %s on a Ray actor (%s, %s)", names[i], info["device"], bundles[i])
-            except BaseException:  # no half-placed ensemble: free the actors and their reservation
-                for _, actor, _ in made:
-                    with contextlib.suppress(Exception):
-                        ray.kill(actor, no_restart=True)
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
-                raise
-            _ACTORS.update(placed)
+            _check_room([bundles[i] for i in todo], total)
+            pg = _reserve(ray, [bundles[i] for i in todo])
+            made = _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code)
+            _ACTORS.update(_collect(ray, pg, made, keys, names, specs, bundles, cache_dir))
         return [_ACTORS[k] for k in keys]
+
+
+def _check_room(bundles: list[dict], total: dict) -> None:
+    """ConfigError naming every resource the cluster cannot give these bundles."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    short = {k: (v, total.get(k, 0.0)) for k, v in need.items() if v > total.get(k, 0.0) + 1e-9}
+    if short:
+        raise ConfigError(
+            "the Ray cluster cannot place these members: "
+            + "; ".join(f"{k} needs {v:g}, the cluster has {have:g}" for k, (v, have) in sorted(short.items()))
+            + f" (bundles {bundles}). Add nodes with those resources or lower "
+            "member_resources (e.g. {'num_cpus': 1, 'num_gpus': 0} on a CPU-only cluster)."
+        )
+
+
+def _reserve(ray, bundles: list[dict]):
+    """A placement group holding every bundle (PACK), ready within PLACEMENT_TIMEOUT_S."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise ConfigError(
+            f"the Ray cluster did not find room for the members within {PLACEMENT_TIMEOUT_S:g} s "
+            f"(bundles {bundles}, available {ray.available_resources()}); other "
+            "jobs hold the resources, or lower member_resources."
+        )
+    return pg
+
+
+def _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code) -> list[tuple]:
+    """One MemberActor per member in `todo`, each in its bundle of `pg`: (index, actor, info ref)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cls = ray.remote(MemberActor)
+    made = []
+    for j, i in enumerate(todo):
+        b = bundles[i]
+        threads = res[i].get("torch_threads") or max(1, int(b.get("CPU", 1)))
+        actor = cls.options(
+            num_cpus=b.get("CPU", 0),
+            num_gpus=b.get("GPU", 0),
+            memory=b.get("memory"),
+            resources={k: v for k, v in b.items() if k not in ("CPU", "GPU", "memory")} or None,
+            max_restarts=MAX_RESTARTS,
+            max_task_retries=0,
+            name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=j),
+        ).remote(specs[i], str(dtype), None if cache_dir is None else str(cache_dir), trust_remote_code, threads)
+        made.append((i, actor, actor.info.remote()))
+    return made
+
+
+def _collect(ray, pg, made, keys, names, specs, bundles, cache_dir) -> list[tuple]:
+    """The started actors as RayMembers, once each has loaded its model; when one fails, every
+    actor and the reservation are freed (no half-placed ensemble)."""
+    from ray.util.placement_group import remove_placement_group
+
+    placed = []
+    try:
+        for i, actor, info_ref in made:
+            try:
+                info = ray.get(info_ref)
+            except ray.exceptions.RayActorError as exc:
+                raise ConfigError(f"member {names[i]!r} could not load in its Ray actor: {exc}") from exc
+            member = RayMember(actor, info, actor_tokenizer(actor, cache_dir), spec=specs[i], resources=bundles[i])
+            member.placement_group = pg
+            placed.append((keys[i], member))
+            log.info("placed %s on a Ray actor (%s, %s)", names[i], info["device"], bundles[i])
+    except BaseException:
+        for _, actor, _ in made:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+        raise
+    return placed
 
 
 def actor_tokenizer(actor, cache_dir=None):
