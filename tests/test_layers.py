@@ -191,3 +191,23 @@ def test_light_modules_import_without_torch(module):
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+MAX_FUNCTION_LINES = 60  # a function a reader takes in at once (the redesign's rule)
+MAX_ENGINE_LINES = 350  # the engine stays a thin owner of members, method and queue
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{module_name(path)}.{node.name}: {n} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (cut them into named steps): {long}"
+
+
+def test_the_engine_stays_thin():
+    n = len((ROOT / "engine.py").read_text(encoding="utf-8").splitlines())
+    assert n < MAX_ENGINE_LINES, f"engine.py has {n} lines; move a job out of it (see the README's layout)"
