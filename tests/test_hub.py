@@ -438,7 +438,12 @@ def test_a_cached_model_starts_without_the_hub_and_offline_keeps_the_clear_error
     assert ok(again[0])["folder"] == folder
     assert hub.log[before:] == []  # a complete cached snapshot: not one request, no weight fetched again
     offline, _ = run_worker(
-        [{"op": "load", "spec": "tiny/smol"}, {"op": "load", "spec": "tiny/other"}],
+        [
+            {"op": "load", "spec": "tiny/smol"},
+            {"op": "load", "spec": "tiny/other"},
+            {"op": "plan", "spec": "tiny/other"},
+            {"op": "plan", "spec": "tiny/smol"},
+        ],
         worker_env(hub, home, offline=True),
     )
     assert ok(offline[0])["folder"] == folder
@@ -446,6 +451,9 @@ def test_a_cached_model_starts_without_the_hub_and_offline_keeps_the_clear_error
     message = offline[1]["message"]
     assert "'tiny/other' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1" in message
     assert "`hf download tiny/other`" in message
+    unknown, cached = ok(offline[2]), ok(offline[3])  # offline, a plan says "unknown" rather than guess
+    assert unknown["params"] is None and "size unknown" in unknown["origin"] and "unknown" in unknown["table"]
+    assert cached["params"] == ok(results[0])["params"] and cached["origin"].startswith("safetensors headers in")
     assert hub.log[before:] == []
 
 
