@@ -28,7 +28,7 @@ import torch
 
 from .constraints import END, Constraint, _llguidance
 from .errors import RequestError
-from .members.rows import is_local, top
+from .members.rows import can_repick, masked_async, merge, top
 
 HEAL_TOP = 32  # forbidden tokens (the likeliest of a row) whose mass goes to their valid prefix
 CLOSE_MARGIN = 1  # tokens smc keeps in reserve beyond the closing's own (its token count is an estimate)
@@ -337,7 +337,7 @@ class Guide:
             tok = pick(row)
             if tok in member.eos_ids or self.fits(i, text + member.vocab_bytes[tok], left - 1):
                 return tok
-            if not is_local(row):  # a row held by a Ray actor: no second pick, the closing is written
+            if not can_repick(row):  # a row held by a Ray actor: no second pick, the closing is written
                 return None
             row = row.clone()
             row[tok] = float("-inf")
@@ -415,14 +415,8 @@ class Guide:
             if heir is not None and heir < len(allowed) and allowed[heir]:
                 adds.append((heir, v))
                 self.healed += 1
-        if is_local(row):
-            out = row.masked_fill(~allowed.to(row.device), float("-inf"))
-            for heir, v in adds:
-                out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
-            values, tokens = top(out, HEAL_TOP)
-        else:  # a member in a Ray actor: the mask (1 bit per token) goes there, the row stays
-            out, best = row.masked(allowed_np, adds, HEAL_TOP)
-            values, tokens = best.get()
+        out, best = masked_async(row, allowed_np, adds, HEAL_TOP)  # on its actor for a Ray member
+        values, tokens = best.get()
         # an allowed token after which the grammar forces more bytes lends its mass to the allowed
         # token spelling both (see `_forced_heir`)
         if text is None:
@@ -435,12 +429,7 @@ class Guide:
             if heir is not None and heir != t and heir < len(allowed) and allowed[heir]:
                 merges.append((heir, t))
                 self.merged += 1
-        if not is_local(row):
-            out.merge(merges)
-            return out
-        for heir, t in merges:
-            out[heir] = torch.logaddexp(out[heir], out[t])
-            out[t] = float("-inf")
+        merge(out, merges)
         return out
 
     @_timed

@@ -65,6 +65,44 @@ def as_tensor(row) -> torch.Tensor:
     return row if is_local(row) else row.fetch()
 
 
+def mask_heal(row: torch.Tensor, allowed: torch.Tensor, adds: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """A copy of `row` with the tokens `allowed` (bool [V]) forbids at -inf, and each (heir, v)
+    of `adds` logaddexp'd into its heir (a forbidden token's mass lent to its valid prefix)."""
+    out = row.masked_fill(~allowed.to(row.device), float("-inf"))
+    for heir, v in adds:
+        out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
+    return out
+
+
+def merge_into(row: torch.Tensor, merges: Sequence[tuple[int, int]]) -> None:
+    """In place, in order: row[heir] = logaddexp(row[heir], row[t]); row[t] = -inf."""
+    for heir, t in merges:
+        row[heir] = torch.logaddexp(row[heir], row[t])
+        row[t] = float("-inf")
+
+
+def masked_async(row, allowed, adds: Sequence[tuple[int, float]], n: int):
+    """`mask_heal` on the row wherever it lives, and the new row's top n (values, ids) to `.get()`.
+    A remote row's mask goes to its actor as 1 bit per token; the new row stays there."""
+    if is_local(row):
+        out = mask_heal(row, torch.as_tensor(allowed), adds)
+        return out, top_async(out, n)
+    return row.masked(allowed, adds, n)
+
+
+def merge(row, merges: Sequence[tuple[int, int]]) -> None:
+    """`merge_into` wherever the row lives (a remote row's merge is sent without waiting)."""
+    if is_local(row):
+        merge_into(row, merges)
+    else:
+        row.merge(merges)
+
+
+def can_repick(row) -> bool:
+    """Whether a second pick from a changed copy of the row is cheap: it is here, not in an actor."""
+    return is_local(row)
+
+
 def pick_token(
     logprobs: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
 ) -> int:

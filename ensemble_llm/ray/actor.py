@@ -14,7 +14,7 @@ import torch
 
 from ..errors import ConfigError, GenerationError
 from ..members.bytelm import ByteLM
-from ..members.rows import pick_token
+from ..members.rows import mask_heal, merge_into, pick_token
 
 log = logging.getLogger("ensemble_llm.ray")
 
@@ -221,19 +221,13 @@ class MemberActor:
 
     def op_mask(self, r: int, i: int, new: int, bits: np.ndarray, n: int, adds: list, k: int) -> tuple:
         row = self._row(r, i)
-        allowed = torch.from_numpy(np.unpackbits(bits)[:n].astype(bool)).to(row.device)
-        out = row.masked_fill(~allowed, float("-inf"))
-        for heir, v in adds:
-            out[heir] = torch.logaddexp(out[heir], torch.tensor(v, dtype=out.dtype))
+        out = mask_heal(row, torch.from_numpy(np.unpackbits(bits)[:n].astype(bool)), adds)
         self.objs[new] = out[None]
         vals, ids = torch.topk(out, min(k, out.shape[-1]))
         return vals.tolist(), ids.tolist()
 
     def op_merge(self, r: int, i: int, merges: list) -> None:
-        out = self._row(r, i)
-        for heir, t in merges:
-            out[heir] = torch.logaddexp(out[heir], out[t])
-            out[t] = float("-inf")
+        merge_into(self._row(r, i), merges)
 
     def op_fetch(self, r: int, i: int) -> np.ndarray:
         return self._row(r, i).float().cpu().numpy()
