@@ -25,6 +25,7 @@ STORY = "Tell me a long story about a dragon."
         ("specfuse", {"weights": None, "segment_len": 48}),
     ],
 )
+@pytest.mark.slow
 def test_watchdog_no_request_outlives_its_timeout_by_more_than_one_forward(tiny_dirs, method, config):
     members = [tiny_dirs["smol"]] if method == "single" else [tiny_dirs["smol"], tiny_dirs["gemma"]]
     eng = Ensemble(members, method=method, config=config).load()

@@ -65,7 +65,7 @@ def brute_prefix_logprob(m, prompt: list[int], x: bytes) -> float:
     return torch.logsumexp(torch.tensor(terms, dtype=torch.float64), 0).item()
 
 
-@pytest.mark.parametrize("key", ["smol", "gemma"])
+@pytest.mark.parametrize("key", ["smol", pytest.param("gemma", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("x", [b" the cat", "é1".encode(), b"ab\nc"])
 def test_byte_prefix_probability_equals_brute_force(tiny_members, key, x):
     m = tiny_members[key]
