@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ensemble_llm.methods.text import Utf8Releaser
 from ensemble_llm.stopping import StopMatcher, StopPolicy
 
 
@@ -76,3 +77,19 @@ def test_stop_policy_end_is_the_first_stop_end_after_since(data, stops, since):
     enders = [s for s in stops if s and data.endswith(s.encode())]
     assert cut == (data[: -len(max(enders, key=len))] if enders else None)
     assert policy.strings == tuple(s for s in dict.fromkeys(stops) if s)
+
+
+# ---- UTF-8 release of decided bytes (methods/text.py) ---------------------------------------
+@given(data=st.binary(max_size=24) | st.text(max_size=8).map(str.encode), cuts=st.lists(st.integers(0, 24), max_size=5))
+def test_utf8_releaser_deltas_are_final_and_add_up_to_the_text(data, cuts):
+    """However the committed bytes grow, the deltas concatenate to the bytes decoded (invalid ones
+    as U+FFFD), with no trailing U+FFFD for undecodable last bytes, and no delta is ever revised."""
+    rel, out = Utf8Releaser(), []
+    for c in sorted(cuts):
+        out.append(rel.take(data[:c]))
+    out.append(rel.take(data, final=True))
+    whole = data.decode("utf-8", errors="replace")
+    expected = whole if data.endswith("\ufffd".encode()) else whole.rstrip("\ufffd")
+    assert "".join(out) == expected
+    for piece in out[:-1]:  # streamed pieces hold only complete, valid text
+        assert "\ufffd" not in piece or "\ufffd".encode() in data

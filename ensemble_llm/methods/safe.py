@@ -31,7 +31,8 @@ from ..errors import ConfigError
 from ..members.rows import pick_token, query_async, take_async
 from .align import EOS, VocabIndex, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request
-from .unite import Emitter, UniteStats, check_ensemble_members, check_main, check_weights
+from .text import Utf8Releaser
+from .unite import UniteStats, check_ensemble_members, check_main, check_weights
 
 SHARPEN_MODES = ("heuristic", "geometric", None)
 
@@ -98,7 +99,7 @@ class Safe(Method):
 
     def run(self, req: Request) -> Iterator[str]:
         r = _SafeRun(self.config, self.members, req)
-        emit = Emitter()
+        emit = Utf8Releaser()
         while not r.finished and r.st.tokens_out < r.budget:
             going = r.cycle()
             piece = emit.take(r.text)

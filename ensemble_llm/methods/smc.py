@@ -18,7 +18,6 @@ Streaming: the bytes all live particles agree on are final and are yielded as th
 
 from __future__ import annotations
 
-import codecs
 import math
 import os
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ..errors import ConfigError, GenerationError, RequestError
 from ..guide import CLOSE_MARGIN
 from ..members.bytelm import EOS
 from .base import Method, Request, RunStats
+from .text import Utf8Releaser
 
 NEG_INF = -math.inf
 F_NAMES = {"product": 0.0, "mixture": 1.0, "harmonic": -1.0, "min": -math.inf, "max": math.inf}
@@ -386,7 +386,7 @@ class Smc(Method):
             for m in self.members
         ]
         ending = _Ending(req, cfg.max_bytes or 16 * req.max_new_tokens)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        emit = Utf8Releaser()
         sent, sent_bytes = 0, b""
         run = None
         # a stop string can only be cut from the end of a particle's text: hold that many bytes back
@@ -403,7 +403,7 @@ class Smc(Method):
             upto = len(agreed) - hold if unfinished else len(agreed)
             piece = ""
             if upto > sent:
-                piece = decoder.decode(agreed[sent:upto])
+                piece = emit.take(agreed[:upto])
                 sent_bytes, sent = agreed[:upto], upto
             # yield after every byte step, even nothing: the engine checks cancel and timeout there
             yield piece
@@ -411,9 +411,7 @@ class Smc(Method):
             for k, lm in enumerate(lms):
                 lm.compact([p.states[k] for p in alive])
         best, stats = self._best(run, search, sent_bytes)
-        tail = decoder.decode(best.text[sent:], final=True)
-        if not best.text.endswith("\ufffd".encode()):  # undecodable last bytes are dropped, never shown as U+FFFD
-            tail = tail.rstrip("\ufffd")
+        tail = emit.take(best.text, final=True)  # undecodable last bytes are dropped, never shown as U+FFFD
         if tail:
             yield tail
         req.finish_reason = "stop" if best.done == "stop" else "length"

@@ -37,6 +37,7 @@ from ..members.member import current_guard, forward_guard
 from ..members.rows import pick_token
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
 from .base import Method, Request, RunStats
+from .text import Utf8Releaser
 from .unite import check_ensemble_members, check_weights
 
 SCORES = ("logprob", "logit")
@@ -272,6 +273,7 @@ class _FuseRun:
             self.gens = [torch.Generator().manual_seed(seed + i) for i in range(self.k)]
         self.text, self.guide, self.must_close = b"", req.guide, False
         self.last = None  # what `advance` needs from the round that just committed
+        self.emit = Utf8Releaser()  # the winners are whole characters: each is released as it is committed
         if self.guide:
             self.guide.check_budget(req.main, req.max_new_tokens)
         self.pool = ThreadPoolExecutor(max_workers=self.k) if parallel else None
@@ -300,7 +302,7 @@ class _FuseRun:
             st.tokens_out += len(ids)
             st.segment_tokens.append(len(ids))
             self.text += tail
-            return tail.decode("utf-8", errors="replace"), True  # cut by the budget, but closed: "length"
+            return self.emit.take(self.text, final=True), True  # cut by the budget, but closed: "length"
         st.rounds += 1
         n, room, text = min(cfg.segment_len, left), left if guide else None, self.text
         todo = [i for i in range(self.k) if self.active[i]]
@@ -321,7 +323,7 @@ class _FuseRun:
         st.segment_tokens.append(len(ids))
         old = len(self.text)
         self.text += seg
-        piece = seg.decode("utf-8") if seg else ""
+        piece = self.emit.take(self.text)
         if eos or (best.stopped and seg == best.text):
             req.finish_reason = "stop"
             return piece, True

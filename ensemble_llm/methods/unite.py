@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..members.rows import pick_token
 from .align import EOS, start_members, union_distribution, valid_utf8_prefix, vocab_index
 from .base import Method, Request, RunStats
+from .text import Utf8Releaser
 
 
 def check_weights(weights, n: int | None, owner: str) -> None:
@@ -86,29 +87,6 @@ class UniteStats(RunStats):
         return {"ensembled_fraction": sum(r.tokens_ensembled for r in runs) / max(1, sum(r.tokens_out for r in runs))}
 
 
-class Emitter:
-    """Releases the committed bytes as text, holding back an incomplete UTF-8 tail."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-
-    def take(self, data: bytes, final: bool = False) -> str:
-        """New complete text of `data`. Invalid bytes inside the text become U+FFFD (at the end
-        (final), once later bytes show they never complete a character); bytes that do not decode
-        at the very end (a character cut by the budget, a stray byte token) are dropped, so the
-        reply never ends in U+FFFD."""
-        cut = valid_utf8_prefix(data)
-        if final and cut < len(data):
-            cut = len(data)
-            tail = data[self.sent :].decode("utf-8", errors="replace")
-            out = tail.rstrip("\ufffd") if not data.endswith("\ufffd".encode()) else tail
-            self.sent = cut
-            return out
-        out = data[self.sent : cut].decode("utf-8", errors="replace")
-        self.sent = max(self.sent, cut)
-        return out
-
-
 class Unite(Method):
     name = "unite"
     config_class = UniteConfig
@@ -122,7 +100,7 @@ class Unite(Method):
 
     def run(self, req: Request) -> Iterator[str]:
         r = _UniteRun(self.config, self.members, req)
-        st, guide, emit = r.st, req.guide, Emitter()
+        st, guide, emit = r.st, req.guide, Utf8Releaser()
         while st.tokens_out < req.max_new_tokens:
             key, ids, closed = r.next_key()
             if key is EOS:
