@@ -501,3 +501,22 @@ def test_a_gguf_file_in_a_hub_repo_downloads_converts_once_and_generates(served,
     assert hub.gets("bartowski/smol-gguf", gguf.name) == [None]
     info = json.loads((Path(first["folder"]) / "ensemble_llm_source.json").read_text())
     assert info["hub"] == spec
+
+
+def test_hub_specs_resolve_without_the_network(tmp_path):
+    from ensemble_llm.errors import ModelNotFoundError
+    from ensemble_llm.members import resolve_source
+    from ensemble_llm.members.hub import split_hub_ref
+
+    assert split_hub_ref("Qwen/Qwen2.5-7B-Instruct") == ("Qwen/Qwen2.5-7B-Instruct", None)
+    assert split_hub_ref("org/repo:sub/model-Q4_K_M.gguf") == ("org/repo", "sub/model-Q4_K_M.gguf")
+    for not_hub in ("./a/b", "/abs/path", "~/x/y", "org/repo:notes.txt", "org/repo:../x.gguf", "a/b/c", "C:/x.gguf"):
+        assert split_hub_ref(not_hub) is None, not_hub
+    src = resolve_source("bartowski/Qwen2.5-7B-Instruct-GGUF:Qwen2.5-7B-Instruct-Q4_K_M.gguf")
+    assert (src.kind, src.name) == ("hub-gguf", "Qwen2.5-7B-Instruct-Q4_K_M")
+    assert resolve_source("Qwen/Qwen2.5-7B-Instruct").kind == "hub"
+    local = tmp_path / "m.gguf"
+    local.write_bytes(b"GGUF" + bytes(20))
+    assert resolve_source(str(local)).kind == "gguf"  # a local file stays local
+    with pytest.raises(ModelNotFoundError, match="'org/name:file.gguf'"):
+        resolve_source("no-such-model")
