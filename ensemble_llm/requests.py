@@ -193,3 +193,24 @@ def member_spec(spec: Any, i: int) -> MemberSpec:
     where = f"member {i} ({spec['model']})"
     options = member_options({k: v for k, v in spec.items() if k not in ("model", "preamble")}, where)
     return MemberSpec(spec["model"], check_preamble(spec.get("preamble"), where), options)
+
+
+def member_entries(members: Sequence[Any], placement: str = "local") -> tuple[list, list, list]:
+    """Each member's (Source, preamble, MemberOptions), checked before anything loads: options
+    that do not fit the source (a revision of a local folder) or the placement are refused."""
+    from .members.loader import check_options, resolve_source
+
+    sources, preambles, options = [], [], []
+    for i, spec in enumerate(members):
+        entry = member_spec(spec, i)
+        source = resolve_source(entry.model)
+        check_options(source, entry.options)
+        if placement == "ray" and (entry.options.spans or entry.options.revision):
+            raise ConfigError(
+                f"member {i} ({source.ref}): revision, device_map, max_memory and offload_folder apply to "
+                "placement='local'; with placement='ray' give each actor its resources with member_resources."
+            )
+        sources.append(source)
+        preambles.append(entry.preamble)
+        options.append(entry.options)
+    return sources, preambles, options
