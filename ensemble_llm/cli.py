@@ -1,4 +1,4 @@
-"""`ensemble-llm`: generate | models list | models pull | bench | bench-constraints | serve."""
+"""`ensemble-llm`: generate | models list | models pull | models plan | bench | bench-constraints | serve."""
 
 from __future__ import annotations
 
@@ -107,6 +107,26 @@ def _cmd_models_pull(args) -> int:
             path = local_dir(resolve_source(name))
             print(f"{name}: ready in {path} ({time.perf_counter() - t0:.1f} s)")
     except EnsembleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_models_plan(args) -> int:
+    """The memory plan of a member set on its devices, without loading weights; exit 2 when it does
+    not fit (the error gives the numbers and the fix)."""
+    from .engine import Ensemble
+    from .errors import EnsembleError
+
+    text = args.models.strip()
+    members = json.loads(text) if text.startswith("[") else text.split(",")
+    devices = args.device.split(",") if "," in args.device else args.device
+    try:
+        engine = Ensemble(members, method="single" if len(members) == 1 else None, device=devices, dtype=args.dtype)
+        plan = engine.plan(context_tokens=args.context)
+        print(plan.table())
+        plan.check()
+    except (EnsembleError, json.JSONDecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -252,6 +272,22 @@ def _add_models(sub) -> None:
     mp = msub.add_parser("pull", help="fetch and convert bundled models (default: the default pair)")
     mp.add_argument("names", nargs="*")
     mp.set_defaults(func=_cmd_models_pull)
+    mpl = msub.add_parser(
+        "plan",
+        help="memory each member needs (weights + KV cache) on its devices, read from headers: no weights load",
+    )
+    mpl.add_argument(
+        "--models",
+        required=True,
+        help="comma-separated members, or a JSON list of members and member dicts, e.g. "
+        '[{"model": "org/name", "device_map": "auto", "max_memory": {"0": "20GiB", "cpu": "60GiB"}}]',
+    )
+    mpl.add_argument("--device", default="auto", help="'auto', a device, or one per member, comma-separated")
+    mpl.add_argument("--dtype", default="auto", help="'auto' (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    mpl.add_argument(
+        "--context", type=int, default=None, help="KV-cache tokens per member (default: min(4096, context window))"
+    )
+    mpl.set_defaults(func=_cmd_models_plan)
 
 
 def _add_bench(sub) -> None:
@@ -350,7 +386,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

@@ -18,13 +18,14 @@ from typing import Any, Callable, Sequence, Unpack
 
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
 from .errors import ConfigError
-from .members import DEFAULT_MODELS, Member, load_member, resolve_source
+from .members import DEFAULT_MODELS, Member, load_member
 from .members.loader import local_dir
+from .members.plan import MemoryPlan, plan_members
 from .methods import get_method
 from .params import GenerationParams
 from .pipeline import make_result, member_prompts, run_method
 from .placement import plan_placement
-from .requests import Job, Settings, make_job, member_spec
+from .requests import Job, Settings, make_job, member_entries
 from .results import GenerationResult
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
 from .tools import tool_policy
@@ -51,9 +52,10 @@ ENGINE_OPTIONS = (
 class Ensemble:
     """Several causal LMs decoded together by one ensembling method.
 
-    members: bundled names, local folders, local .gguf files or cached hub ids (default: the
-        bundled SmolLM2-135M-Instruct + Gemma-3-270M pair), or {"model": ..., "preamble": [...]}
-        dicts; the main member (drafter) is the strongest unless the method config names one.
+    members: bundled names, local folders, local .gguf files, hub ids (downloaded once) or
+        'org/repo:file.gguf' (default: the bundled SmolLM2 + Gemma-3-270M pair), or {"model": ...,
+        "preamble": [...], "revision", "device_map", "max_memory", "offload_folder"} dicts; the main
+        member (drafter) is the strongest unless the method config names one.
     method: "single", "unite", "safe", "specfuse", "smc" (default: "safe" for 2+ members, else "single");
         config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
@@ -83,11 +85,7 @@ class Ensemble:
         members = list(members)
         if not members:
             raise ConfigError("members is empty; name at least one model, e.g. members=['smollm2-135m-instruct'].")
-        self.sources, self.preambles = [], []
-        for i, spec in enumerate(members):
-            model, preamble = member_spec(spec, i)
-            self.sources.append(resolve_source(model))
-            self.preambles.append(preamble)
+        self.sources, self.preambles, self.options = member_entries(members, placement)
         plan = plan_placement(placement, ray_address, member_resources, device, dtype, len(members))
         self.placement, self.ray_address, self.member_resources = plan.kind, plan.ray_address, plan.member_resources
         self.devices, self.dtypes = plan.devices, plan.dtypes
@@ -120,6 +118,7 @@ class Ensemble:
         key = (
             tuple(s.ref for s in eng.sources),
             repr(eng.preambles),
+            repr(eng.options),
             eng.method_name,
             repr(eng.config),
             tuple(map(str, eng.devices)),
@@ -161,6 +160,7 @@ class Ensemble:
                 if self.placement == "ray":
                     members = self._place_on_ray()
                 else:
+                    self.plan().check()  # the whole set, before any member downloads or loads
                     members = [
                         load_member(
                             s.ref,
@@ -169,8 +169,9 @@ class Ensemble:
                             cache_dir=self.cache_dir,
                             trust_remote_code=self.trust_remote_code,
                             progress=self.progress,
+                            options=o,
                         )
-                        for s, d, t in zip(self.sources, self.devices, self.dtypes)
+                        for s, d, t, o in zip(self.sources, self.devices, self.dtypes, self.options)
                     ]
                 method = self.method_class(members, self.config)
                 method.check_members()
@@ -178,6 +179,12 @@ class Ensemble:
                 for kind in ("chat", "raw"):  # "auto" weights: calibrated (or read from the cache) now
                     self.member_weights(kind)
         return self
+
+    def plan(self, context_tokens: int | None = None) -> MemoryPlan:
+        """Weights + KV per member and device, read from files (members/plan.py); load() checks it."""
+        if self.placement == "ray":
+            raise ConfigError("the memory plan covers placement='local'; each Ray actor checks its member's")
+        return plan_members(self.sources, self.devices, self.dtypes, self.options, self.cache_dir, context_tokens)
 
     def _place_on_ray(self) -> list:
         """Each member in a Ray actor (ensemble_llm/ray/): the actors fetch and load the models
@@ -202,8 +209,8 @@ class Ensemble:
         from transformers import AutoConfig
 
         sizes = []
-        for s in self.sources:
-            path = local_dir(s, self.cache_dir, progress=self.progress)
+        for s, o in zip(self.sources, self.options):
+            path = local_dir(s, self.cache_dir, progress=self.progress, revision=o.revision)
             cfg = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
             cfg = cfg.get_text_config(decoder=True)
             sizes.append(int(getattr(cfg, "max_position_embeddings", None) or 2048))

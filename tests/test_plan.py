@@ -172,8 +172,8 @@ def test_engine_and_cli_refuse_an_impossible_set_before_loading(tmp_path, tiny_d
     with pytest.raises(ConfigError, match="members huge"):
         eng.load()
     assert eng._members is None  # nothing loaded
-    assert main(["models", "plan", "--members", f"{huge},{tiny_dirs['smol']}", "--device", "cpu"]) == 2
+    assert main(["models", "plan", "--models", f"{huge},{tiny_dirs['smol']}", "--device", "cpu"]) == 2
     captured = capsys.readouterr()
     assert "DOES NOT FIT" in captured.out and "error: the members do not fit in memory" in captured.err
-    assert main(["models", "plan", "--members", tiny_dirs["smol"], "--device", "cpu", "--context", "128"]) == 0
+    assert main(["models", "plan", "--models", tiny_dirs["smol"], "--device", "cpu", "--context", "128"]) == 0
     assert "fits" in capsys.readouterr().out

@@ -156,7 +156,12 @@ def folder_size(folder: Path) -> ModelSize:
 
 
 def gguf_size(path: Path) -> ModelSize:
-    params, config = gguf_params_and_config(path)
+    try:
+        params, config = gguf_params_and_config(path)
+    except (struct.error, ValueError, OverflowError, IndexError, UnicodeError) as exc:
+        # a truncated or corrupt file: its size is unknown here, and loading it gives the clear
+        # (and remembered) conversion error
+        return ModelSize(None, None, f"the GGUF header of {path.name} is unreadable ({type(exc).__name__})")
     return ModelSize(params, config, f"GGUF tensors of {path.name}")
 
 
