@@ -391,6 +391,7 @@ def first_start(served, tmp_path_factory):
     return home, results
 
 
+@pytest.mark.slow  # downloads in subprocesses from the loopback hub
 def test_first_download_revision_missing_repo_and_a_resumed_drop(served, first_start):
     hub, folders, commits = served
     _, results = first_start
@@ -429,6 +430,7 @@ def test_first_download_revision_missing_repo_and_a_resumed_drop(served, first_s
     assert flaky["ids"] == greedy_ids(str(folders[3]))
 
 
+@pytest.mark.slow  # downloads in subprocesses from the loopback hub
 def test_a_cached_model_starts_without_the_hub_and_offline_keeps_the_clear_error(served, first_start):
     hub, folders, _ = served
     home, results = first_start
@@ -457,6 +459,7 @@ def test_a_cached_model_starts_without_the_hub_and_offline_keeps_the_clear_error
     assert hub.log[before:] == []
 
 
+@pytest.mark.slow  # downloads in subprocesses from the loopback hub
 def test_a_broken_download_leaves_nothing_half_written_and_the_next_start_completes_it(served, first_start):
     hub, folders, _ = served
     _, results = first_start
@@ -471,6 +474,7 @@ def test_a_broken_download_leaves_nothing_half_written_and_the_next_start_comple
     assert sha256(Path(ok(loaded)["folder"]) / "model.safetensors") == sha256(folders[1] / "model.safetensors")
 
 
+@pytest.mark.slow  # downloads in subprocesses from the loopback hub
 def test_two_processes_downloading_one_model_do_not_clash(served, tmp_path):
     hub, folders, _ = served
     env = worker_env(hub, tmp_path)

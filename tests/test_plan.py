@@ -154,13 +154,6 @@ def test_the_bundled_pair_planned_from_their_gguf_files():
     assert "134.5M" in table and "268.1M" in table and "cpu: needs" in table and "fits" in table
 
 
-def _engine_has_plan() -> bool:
-    from ensemble_llm.engine import Ensemble
-
-    return hasattr(Ensemble, "plan")
-
-
-@pytest.mark.skipif(not _engine_has_plan(), reason="the engine wiring (/tmp/issue26_wiring.patch) is not applied")
 def test_engine_and_cli_refuse_an_impossible_set_before_loading(tmp_path, tiny_dirs, tokenizer_dirs, capsys):
     from ensemble_llm import Ensemble
     from ensemble_llm.cli import main

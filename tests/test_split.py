@@ -93,7 +93,7 @@ def split_options(folder: str, tmp_path, layers_on_cpu: float = 1.5):
     return member_options({"max_memory": {"cpu": cpu}, "offload_folder": str(tmp_path / "offload")}, "test")
 
 
-@pytest.mark.parametrize("kind", ["smol", "gemma"])
+@pytest.mark.parametrize("kind", ["smol", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_split_member_equals_unsplit_member(four_layer_dirs, tmp_path, kind):
     folder = four_layer_dirs[kind]
     whole = load_member(folder, device="cpu")
@@ -170,13 +170,6 @@ def test_revision_of_a_local_model_is_refused(four_layer_dirs):
         load_member(four_layer_dirs["smol"], device="cpu", options=member_options({"revision": "main"}, "m"))
 
 
-def _engine_takes_options() -> bool:
-    from ensemble_llm.engine import Ensemble
-
-    return hasattr(Ensemble, "plan")
-
-
-@pytest.mark.skipif(not _engine_takes_options(), reason="the engine wiring (/tmp/issue26_wiring.patch) is not applied")
 def test_ensemble_single_with_a_split_member_gives_the_unsplit_text(four_layer_dirs, tmp_path):
     from ensemble_llm import Ensemble
 
