@@ -432,6 +432,18 @@ class Guide:
         merge(out, merges)
         return out
 
+    def take_forced(self, i: int, ids: Sequence[int], limit: int) -> list[int]:
+        """The row policy's first step: the tokens of member i the grammar forces after `ids` (at
+        most `limit`), counted as forced; the method writes them without sampling."""
+        forced = self.forced_tokens(i, ids)[:limit]
+        self.forced += len(forced)
+        return forced
+
+    def choose(self, i: int, ids: Sequence[int], row, left: int, pick) -> int | None:
+        """The row policy's next steps: mask and heal member i's `row` (`mask_row`), then pick a
+        token after which the shortest completion fits in `left` tokens (`pick`; None: none does)."""
+        return self.pick(i, ids, self.mask_row(i, ids, row), left, pick)
+
     @_timed
     def forced_tokens(self, i: int, ids: Sequence[int]) -> list[int]:
         """Tokens of member i the grammar forces after `ids` (its tokenization of the forced bytes)."""

@@ -43,23 +43,23 @@ class Single(Method):
         if guide:
             guide.check_budget(idx, budget)
         closed = False
+
+        def pick(row):
+            return pick_token(row, req.temperature, req.top_p, req.generator)
+
         while len(ids) < budget:
             left = budget - len(ids)
-            new = guide.forced_tokens(idx, ids)[:left] if guide else []
-            if new:  # the grammar forces these tokens: written without sampling
-                guide.forced += len(new)
-            elif guide and (new := guide.closing_tokens(idx, ids, left)) is not None:
-                closed = True  # the budget holds just the shortest completion: written now
-            else:
-                row = guide.mask_row(idx, ids, state.next_logprobs) if guide else state.next_logprobs
+            new = guide.take_forced(idx, ids, left) if guide else []  # written without sampling
+            closing = guide.closing_tokens(idx, ids, left) if guide and not new else None
+            if closing is not None:  # the budget holds just the shortest completion: written now
+                new, closed = closing, True
+            elif not new:
                 if guide:  # only a token after which the shortest completion still fits
-                    tok = guide.pick(
-                        idx, ids, row, left, lambda r: pick_token(r, req.temperature, req.top_p, req.generator)
-                    )
+                    tok = guide.choose(idx, ids, state.next_logprobs, left, pick)
                     if tok is None:
                         new, closed = guide.closing_tokens(idx, ids, 0) or [], True
                 else:
-                    tok = pick_token(row, req.temperature, req.top_p, req.generator)
+                    tok = pick(state.next_logprobs)
                 if not closed:
                     if tok in m.eos_ids:
                         req.finish_reason = "stop"

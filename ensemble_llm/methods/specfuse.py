@@ -168,26 +168,24 @@ class SpecFuse(Method):
         idx = vocab_index(m)
         data, eos, stop_at = b"", False, None
         guide, plen, done = req.guide, view.prompt_len, 0
+
+        def pick(row):
+            return pick_token(row, req.temperature, req.top_p, gen)
+
         with m.scratch(state):  # the draft's tokens leave the cache as it was
             while done < n:
-                forced = guide.forced_tokens(i, state.ids[plen:])[: n - done] if guide else []
+                forced = guide.take_forced(i, state.ids[plen:], n - done) if guide else []
                 if forced:  # the grammar forces these tokens: drafted without sampling
-                    guide.forced += len(forced)
                     new = forced
                 else:
-                    row = guide.mask_row(i, state.ids[plen:], state.next_logprobs) if guide else state.next_logprobs
                     if guide and left is not None:
-                        tok = guide.pick(
-                            i,
-                            state.ids[plen:],
-                            row,
-                            left - done,
-                            lambda r: pick_token(r, req.temperature, req.top_p, gen),
-                        )
+                        tok = guide.choose(i, state.ids[plen:], state.next_logprobs, left - done, pick)
                         if tok is None:
                             break
+                    elif guide:
+                        tok = pick(guide.mask_row(i, state.ids[plen:], state.next_logprobs))
                     else:
-                        tok = pick_token(row, req.temperature, req.top_p, gen)
+                        tok = pick(state.next_logprobs)
                     if tok in m.eos_ids:
                         eos = True
                         break
