@@ -17,7 +17,7 @@ from .params import FIELDS as PARAM_FIELDS
 from .params import GenerationParams, _check_text
 
 ROLES = ("system", "user", "assistant", "tool")
-MEMBER_KEYS = ("model", "preamble", "revision", "device_map", "max_memory", "offload_folder")
+MEMBER_KEYS = ("model", "preamble", "revision", "device_map", "max_memory", "offload_folder", "quantization")
 
 
 class Settings(TypedDict, total=False):
@@ -179,8 +179,8 @@ class MemberSpec:
 def member_spec(spec: Any, i: int) -> MemberSpec:
     """A member is a model (bundled name, folder, .gguf, hub id, 'org/repo:file.gguf') or a dict
     {"model": ..., "preamble": [messages], "revision": ..., "device_map": ..., "max_memory": ...,
-    "offload_folder": ...} that pairs the model with turns put before its chat prompts and with
-    its loading options."""
+    "offload_folder": ..., "quantization": "int8" | "int4"} that pairs the model with turns put
+    before its chat prompts and with its loading options."""
     from .members.options import NO_OPTIONS, member_options
 
     if not isinstance(spec, dict):
@@ -205,10 +205,10 @@ def member_entries(members: Sequence[Any], placement: str = "local") -> tuple[li
         entry = member_spec(spec, i)
         source = resolve_source(entry.model)
         check_options(source, entry.options)
-        if placement == "ray" and (entry.options.spans or entry.options.revision):
+        if placement == "ray" and (entry.options.spans or entry.options.revision or entry.options.quantization):
             raise ConfigError(
-                f"member {i} ({source.ref}): revision, device_map, max_memory and offload_folder apply to "
-                "placement='local'; with placement='ray' give each actor its resources with member_resources."
+                f"member {i} ({source.ref}): revision, device_map, max_memory, offload_folder and quantization "
+                "apply to placement='local'; with placement='ray' give each actor its resources with member_resources."
             )
         sources.append(source)
         preambles.append(entry.preamble)

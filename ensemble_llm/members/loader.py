@@ -1,5 +1,6 @@
 """Floor 1: resolve a member spec (bundled name, local folder, local .gguf, hub id, 'org/repo:file.gguf')
-and load it once per process, on one device or spread by accelerate (device_map, max_memory)."""
+and load it once per process, on one device or spread by accelerate (device_map, max_memory),
+its linear layers quantized as they load when asked (bitsandbytes on CUDA, torchao on CPU)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .convert import convert_gguf, extract_tokenizer, is_converted, load_cached_
 from .fetch import cache_root, fetch_bundled
 from .hub import hub_file, hub_folder, split_hub_ref
 from .member import Member
-from .options import NO_OPTIONS, MemberOptions
+from .options import NO_OPTIONS, QUANTIZATIONS, MemberOptions
 from .registry import BUNDLED
 
 
@@ -204,6 +205,86 @@ def placement_kwargs(dev: torch.device, options: MemberOptions) -> dict:
     return kw
 
 
+def prequantized(folder: Path) -> str | None:
+    """The quant_method of a checkpoint saved quantized (GPTQ, AWQ, bitsandbytes, torchao, ...:
+    its config.json has a quantization_config), else None."""
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.is_file():
+        return None
+    import json
+
+    qc = json.loads(cfg_path.read_text()).get("quantization_config")
+    if not qc:
+        return None
+    return str(qc.get("quant_method", "unknown")) if isinstance(qc, dict) else "unknown"
+
+
+def _need(module: str, what: str, package: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"{what} needs the {package} package, which is not installed; run `pip install {package}` "
+            "(or `pip install 'ensemble-llm[quantize]'` for the CPU path), or drop the member's quantization."
+        )
+
+
+def bitsandbytes_config(quantization: str, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for CUDA: LLM.int8() for "int8", NF4 with `dtype` compute
+    (double quantization) for "int4"."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True
+    )
+
+
+def torchao_config(quantization: str = "int8"):
+    """transformers' TorchAoConfig for the CPU "int8": int8 per-channel weights and per-token
+    dynamic int8 activations (weight-only int8 was slower on this CPU; optimum-quanto far slower).
+    torchao's int4 weight-only layout has no CPU kernel, so quantization_kwargs refuses int4 here."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(Int8DynamicActivationInt8WeightConfig())
+
+
+def quantization_kwargs(folder: Path, dev: torch.device, dtype: torch.dtype, options: MemberOptions) -> dict:
+    """from_pretrained's quantization_config for the member's `quantization` on `dev`; {} when
+    none is asked. A checkpoint saved quantized loads as it is (transformers reads its own config),
+    so asking quantization on top of one is an error."""
+    method = prequantized(folder)
+    if options.quantization is None:
+        if method in ("gptq", "awq"):
+            _need("optimum" if method == "gptq" else "awq", f"{folder.name} (a {method} checkpoint)", method)
+        return {}
+    if method is not None:
+        raise ConfigError(
+            f"{folder} is already quantized ({method}: its config.json has a quantization_config), so "
+            f"quantization={options.quantization!r} cannot apply on top; drop the member's quantization."
+        )
+    if options.quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization={options.quantization!r} is not one of {list(QUANTIZATIONS)}.")
+    on_cuda = dev.type == "cuda" or (options.spans and torch.cuda.is_available())
+    if on_cuda:
+        _need("bitsandbytes", f"quantization={options.quantization!r} on CUDA", "bitsandbytes")
+        return {"quantization_config": bitsandbytes_config(options.quantization, dtype)}
+    if dev.type != "cpu":
+        raise ConfigError(
+            f"quantization={options.quantization!r} runs on CUDA (bitsandbytes) or the CPU (torchao), not on "
+            f"{dev.type}; use device='cpu' or a CUDA device, or drop the member's quantization."
+        )
+    if options.quantization != "int8":
+        raise ConfigError(
+            f"quantization={options.quantization!r} needs CUDA (bitsandbytes): torchao has no CPU kernel for int4 "
+            "weights; use quantization='int8' on the CPU, or a CUDA device."
+        )
+    _need("torchao", f"quantization={options.quantization!r} on the CPU", "torchao")
+    return {"quantization_config": torchao_config(options.quantization)}
+
+
 def load_member(
     spec,
     *,
@@ -243,7 +324,11 @@ def load_member(
             else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         )
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dt, trust_remote_code=trust_remote_code, **placement_kwargs(dev, options)
+            folder,
+            dtype=dt,
+            trust_remote_code=trust_remote_code,
+            **placement_kwargs(dev, options),
+            **quantization_kwargs(folder, dev, dt, options),
         )
         member = Member(source.name, model, tokenizer, source=str(folder))
         member.load_seconds = time.perf_counter() - t0

@@ -1,5 +1,5 @@
 """Floor 1: a member's own loading options (hub revision, accelerate device_map, max_memory,
-offload folder), checked and frozen so they can key the per-process member cache."""
+offload folder, quantization), checked and frozen so they can key the per-process member cache."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from typing import Any
 
 from ..errors import ConfigError
 
-OPTION_KEYS = ("revision", "device_map", "max_memory", "offload_folder")
+OPTION_KEYS = ("revision", "device_map", "max_memory", "offload_folder", "quantization")
+QUANTIZATIONS = ("int8", "int4")
+# bytes one quantized linear-layer parameter takes (scales and zero points not counted)
+QUANT_BYTES = {"int8": 1.0, "int4": 0.5}
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _UNITS = {
     "": 1,
@@ -35,12 +38,15 @@ class MemberOptions:
     ("auto", "balanced", "balanced_low_0", "sequential") or module -> device pairs, so one member
     may span several GPUs, GPU and CPU, or CPU and disk. max_memory: device -> bytes it may use
     (GPU index, "cpu", "disk", "mps"); offload_folder: where layers that fit nowhere else go.
-    max_memory or offload_folder without a device_map mean device_map="auto"."""
+    max_memory or offload_folder without a device_map mean device_map="auto". quantization: None
+    (the dtype's own weights), "int8" or "int4": the linear layers' weights are quantized as they
+    load (bitsandbytes on CUDA, torchao on CPU; members/loader.py quantization_kwargs)."""
 
     revision: str | None = None
     device_map: str | tuple[tuple[str, int | str], ...] | None = None
     max_memory: tuple[tuple[int | str, int], ...] | None = None
     offload_folder: str | None = None
+    quantization: str | None = None
 
     @property
     def spans(self) -> bool:
@@ -148,6 +154,12 @@ def member_options(raw: dict, where: str) -> MemberOptions:
     max_memory = _max_memory(raw["max_memory"], where) if raw.get("max_memory") is not None else None
     if max_memory is not None and any(k == "disk" for k, _ in max_memory) and folder is None:
         raise ConfigError(f"{where} max_memory gives 'disk' a size but no offload_folder; add an offload_folder.")
+    quantization = raw.get("quantization")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(
+            f"{where} quantization={quantization!r} is not supported; use one of {list(QUANTIZATIONS)} "
+            "(or None for unquantized weights)."
+        )
     if device_map is None and (max_memory is not None or folder is not None):
         device_map = "auto"
     return MemberOptions(
@@ -155,4 +167,5 @@ def member_options(raw: dict, where: str) -> MemberOptions:
         device_map=device_map,
         max_memory=max_memory,
         offload_folder=os.fspath(folder) if folder is not None else None,
+        quantization=quantization,
     )

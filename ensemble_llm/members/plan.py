@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ConfigError
-from .options import NO_OPTIONS, MemberOptions
+from .options import NO_OPTIONS, QUANT_BYTES, MemberOptions
 
 GiB = 2**30
 DEFAULT_CONTEXT = 4096
@@ -33,9 +33,18 @@ def safetensors_header(path: Path) -> dict:
         return json.loads(fh.read(n))
 
 
-def safetensors_params(folder: Path) -> int | None:
-    """Parameters stored in a folder's safetensors files (sharded: the files its index names);
-    None when the folder holds no safetensors."""
+_NOT_QUANTIZED = ("embed", "lm_head", "wte", "wpe", "token_embd", "norm", "output.weight")
+
+
+def quantizable(name: str, shape: Sequence[int]) -> bool:
+    """A weight that int8/int4 loading quantizes: a 2-D linear weight, not an embedding, the
+    output head or a norm (those stay in the dtype; an estimate: models differ)."""
+    return len(shape) == 2 and name.endswith(".weight") and not any(k in name for k in _NOT_QUANTIZED)
+
+
+def safetensors_counts(folder: Path) -> tuple[int, int] | None:
+    """(parameters, those in quantizable linear weights) stored in a folder's safetensors files
+    (sharded: the files its index names); None when the folder holds no safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -43,12 +52,19 @@ def safetensors_params(folder: Path) -> int | None:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
-    total = 0
+    total = linear = 0
     for path in files:
         for name, info in safetensors_header(path).items():
             if name != "__metadata__":
                 total += math.prod(info["shape"])
-    return total
+                linear += math.prod(info["shape"]) if quantizable(name, info["shape"]) else 0
+    return total, linear
+
+
+def safetensors_params(folder: Path) -> int | None:
+    """Parameters stored in a folder's safetensors files; None when it holds none."""
+    counts = safetensors_counts(folder)
+    return None if counts is None else counts[0]
 
 
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -86,7 +102,8 @@ class _GGUF:
 
 
 def gguf_params_and_config(path: Path) -> tuple[int, dict]:
-    """(parameters, a config dict with the KV-cache fields) from a GGUF file's header."""
+    """(parameters, a config dict with the KV-cache fields) from a GGUF file's header; the config's
+    "_quantizable_params" counts the parameters in quantizable linear weights."""
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         r = _GGUF(buf)
         if bytes(buf[:4]) != b"GGUF":
@@ -99,12 +116,13 @@ def gguf_params_and_config(path: Path) -> tuple[int, dict]:
         for _ in range(n_kv):
             key = r.string()
             meta[key] = r.value(r.take("I"))
-        params = 0
+        params = linear = 0
         for _ in range(n_tensors):
-            r.string()
+            tensor = r.string()
             dims = [r.take("Q") for _ in range(r.take("I"))]
             r.take("I"), r.take("Q")  # type, offset
             params += math.prod(dims)
+            linear += math.prod(dims) if quantizable(tensor, dims) else 0
     arch = meta.get("general.architecture", "")
     heads = meta.get(f"{arch}.attention.head_count")
     config = {
@@ -114,6 +132,7 @@ def gguf_params_and_config(path: Path) -> tuple[int, dict]:
         "hidden_size": meta.get(f"{arch}.embedding_length"),
         "head_dim": meta.get(f"{arch}.attention.key_length"),
         "max_position_embeddings": meta.get(f"{arch}.context_length"),
+        "_quantizable_params": linear,
     }
     return params, config
 
@@ -140,19 +159,21 @@ def kv_bytes_per_token(config: dict, dtype: torch.dtype) -> int | None:
 @dataclass(frozen=True)
 class ModelSize:
     """What the files say about one model: its parameters and config (None: unknown), and where
-    the numbers came from (or why they are unknown)."""
+    the numbers came from (or why they are unknown). `linear`: the parameters in quantizable
+    linear weights (None: unknown, then every parameter counts as quantizable)."""
 
     params: int | None
     config: dict | None
     origin: str
+    linear: int | None = None
 
 
 def folder_size(folder: Path) -> ModelSize:
     config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
-    params = safetensors_params(folder)
-    if params is None:
+    counts = safetensors_counts(folder)
+    if counts is None:
         return ModelSize(None, config, f"{folder} has no safetensors: size unknown without loading")
-    return ModelSize(params, config, f"safetensors headers in {folder}")
+    return ModelSize(counts[0], config, f"safetensors headers in {folder}", counts[1])
 
 
 def gguf_size(path: Path) -> ModelSize:
@@ -162,7 +183,7 @@ def gguf_size(path: Path) -> ModelSize:
         # a truncated or corrupt file: its size is unknown here, and loading it gives the clear
         # (and remembered) conversion error
         return ModelSize(None, None, f"the GGUF header of {path.name} is unreadable ({type(exc).__name__})")
-    return ModelSize(params, config, f"GGUF tensors of {path.name}")
+    return ModelSize(params, config, f"GGUF tensors of {path.name}", config.pop("_quantizable_params", None))
 
 
 def model_size(source, options: MemberOptions = NO_OPTIONS, cache_dir=None) -> ModelSize:
@@ -361,6 +382,28 @@ def _place(
     return tuple(out.items()), problem
 
 
+def weight_bytes(size: ModelSize, dtype: torch.dtype, quantization: str | None) -> int | None:
+    """The weights' bytes in `dtype`; quantized, the linear weights take QUANT_BYTES per parameter
+    (1 for int8, 0.5 for int4; scales not counted) and the rest (embeddings, norms) stays in dtype."""
+    if size.params is None:
+        return None
+    if quantization is None:
+        return size.params * dtype.itemsize
+    linear = size.params if size.linear is None else size.linear
+    return int((size.params - linear) * dtype.itemsize + linear * QUANT_BYTES[quantization])
+
+
+def _labels(dtype: torch.dtype, quantization: str | None, origin: str) -> tuple[str, str]:
+    """The plan's dtype cell ("float32+int8") and origin text, which says a quantized size is an estimate."""
+    name = str(dtype).removeprefix("torch.")
+    if quantization is None:
+        return name, origin
+    return f"{name}+{quantization}", (
+        f"{origin}; {quantization} weights estimated at {QUANT_BYTES[quantization]:g} byte per linear-layer "
+        "parameter, embeddings and norms unquantized (an estimate)"
+    )
+
+
 def plan_members(
     sources: Sequence,
     devices: Sequence,
@@ -388,13 +431,20 @@ def plan_members(
         window = int(cfg.get("max_position_embeddings") or DEFAULT_CONTEXT)
         tokens = context_tokens if context_tokens is not None else min(DEFAULT_CONTEXT, window)
         kv_token = kv_bytes_per_token(size.config or {}, dt)
-        weight = None if size.params is None else size.params * dt.itemsize
+        weight = weight_bytes(size, dt, opts.quantization)
         placement, problem = ((), None)
         if weight is not None:
             placement, problem = _place(source.name, weight, (kv_token or 0) * tokens, dev, opts, free)
         dtype_name = str(dt).removeprefix("torch.")
+        origin = size.origin
+        if opts.quantization is not None and weight is not None:
+            dtype_name += f"+{opts.quantization}"
+            origin += (
+                f"; {opts.quantization} weights estimated at {QUANT_BYTES[opts.quantization]:g} byte per linear-layer "
+                "parameter, embeddings and norms unquantized (an estimate)"
+            )
         rows.append(
-            MemberPlan(source.name, size.params, dtype_name, weight, kv_token, tokens, placement, size.origin, problem)
+            MemberPlan(source.name, size.params, dtype_name, weight, kv_token, tokens, placement, origin, problem)
         )
     for row in rows:
         for d, _ in row.placement:
