@@ -257,8 +257,6 @@ def quantization_kwargs(folder: Path, dev: torch.device, dtype: torch.dtype, opt
     so asking quantization on top of one is an error."""
     method = prequantized(folder)
     if options.quantization is None:
-        if method in ("gptq", "awq"):
-            _need("optimum" if method == "gptq" else "awq", f"{folder.name} (a {method} checkpoint)", method)
         return {}
     if method is not None:
         raise ConfigError(
@@ -323,13 +321,19 @@ def load_member(
             if source.kind in ("bundled", "gguf", "hub-gguf")
             else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         )
-        model = AutoModelForCausalLM.from_pretrained(
-            folder,
-            dtype=dt,
-            trust_remote_code=trust_remote_code,
-            **placement_kwargs(dev, options),
-            **quantization_kwargs(folder, dev, dt, options),
-        )
+        kwargs = {**placement_kwargs(dev, options), **quantization_kwargs(folder, dev, dt, options)}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dt, trust_remote_code=trust_remote_code, **kwargs
+            )
+        except ImportError as exc:
+            method = prequantized(folder)
+            if method is None:
+                raise
+            raise ConfigError(
+                f"{folder} is a checkpoint saved quantized ({method}), and transformers cannot load it here: {exc} "
+                "Install the package it names (GPTQ/AWQ checkpoints usually need a CUDA GPU too)."
+            ) from exc
         member = Member(source.name, model, tokenizer, source=str(folder))
         member.load_seconds = time.perf_counter() - t0
         _CACHE[key] = member
