@@ -13,9 +13,11 @@ hits both alike:
   pooled accuracy of each, the int8-minus-fp32 difference with its paired-bootstrap 95% interval,
   and the fraction of examples whose int8 text equals the fp32 text.
 results.json and results.md are rewritten after every round, so an interrupted run keeps what it
-measured.
+measured. `--rss` instead measures each setting's peak resident memory in a process of its own
+(load the pair, answer one speed prompt) and writes rss.json.
 
     python benchmarks/quantized.py --out benchmarks/results/quantized
+    python benchmarks/quantized.py --rss --out benchmarks/results/quantized
 """
 
 from __future__ import annotations
@@ -36,19 +38,25 @@ SETTINGS = ("fp32", "int8")
 
 
 def engines(methods):
+    out = {}
+    for setting in SETTINGS:
+        out.update(engines_of(methods, setting))
+    return out
+
+
+def engines_of(methods, setting: str) -> dict:
     from ensemble_llm import Ensemble
 
     out = {}
-    for setting in SETTINGS:
-        members = list(PAIR) if setting == "fp32" else [{"model": m, "quantization": "int8"} for m in PAIR]
-        for method in methods:
-            if method.startswith("single-"):
-                eng = Ensemble([members[int(method[-1])]], method="single")
-            elif method.startswith("smc"):
-                eng = Ensemble(members, method="smc", config={"n_particles": 4})
-            else:
-                eng = Ensemble(members, method=method)
-            out[(method, setting)] = eng
+    members = list(PAIR) if setting == "fp32" else [{"model": m, "quantization": "int8"} for m in PAIR]
+    for method in methods:
+        if method.startswith("single-"):
+            eng = Ensemble([members[int(method[-1])]], method="single")
+        elif method.startswith("smc"):
+            eng = Ensemble(members, method="smc", config={"n_particles": 4})
+        else:
+            eng = Ensemble(members, method=method)
+        out[(method, setting)] = eng
     return out
 
 
@@ -152,6 +160,31 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def rss(out: Path, tokens: int) -> None:
+    """Peak RSS (loading included) and RSS after one speed prompt, per setting, each in a fresh
+    process with the pair loaded (engine "unite")."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, sys, torch; sys.path.insert(0, {here!r}); import quantized as q; "
+        "torch.set_num_threads(1); e = q.engines_of(['unite'], {s!r}); "
+        "e[('unite', {s!r})].generate('What is the capital of France?', max_new_tokens={n}); "
+        "import gc; gc.collect(); "
+        "now = [int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmRSS')][0]; "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, now / 1024)"
+    )
+    here = str(Path(__file__).parent)
+    res = {}
+    for s in SETTINGS:
+        c = code.format(here=here, s=s, n=tokens)
+        run = subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, check=True)
+        peak, now = map(float, run.stdout.strip().splitlines()[-1].split())
+        res[s] = {"peak_rss_mb": round(peak), "rss_after_mb": round(now)}
+        print(f"{s}: peak RSS {peak:.0f} MB, RSS after the prompt {now:.0f} MB", flush=True)
+    (out / "rss.json").write_text(json.dumps({"settings": res, "what": rss.__doc__}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/quantized")
@@ -161,7 +194,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steady on a shared machine)")
     ap.add_argument("--minutes", type=float, default=30.0, help="stop the quality rounds after this long")
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--rss", action="store_true", help="only the peak RSS of each setting, each in its own process")
     args = ap.parse_args()
+    if args.rss:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        return rss(Path(args.out), args.tokens)
 
     import torch
     import torchao
