@@ -10,7 +10,7 @@ import sys
 import time
 
 DEFAULT_PROMPT = "What is the capital of France?"
-BEST_METHOD = "safe"  # the best method that has landed; the default of `generate`
+BEST_METHOD = "specfuse"  # the engine's default for 2+ members (DEFAULT_ENSEMBLE_METHOD); `generate`'s
 
 
 def _cmd_generate(args) -> int:
@@ -368,7 +368,7 @@ def _add_serve(sub) -> None:
         "events), GET /v1/models, /health and /metrics. Binds to 127.0.0.1 unless told.",
     )
     _add_members(sv)
-    sv.add_argument("--method", default=None, help="default: safe for 2+ members, else single")
+    sv.add_argument("--method", default=None, help="default: specfuse for 2+ members, else single")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")

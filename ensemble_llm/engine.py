@@ -31,6 +31,10 @@ from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_ch
 from .tools import tool_policy
 from .worker import Worker
 
+# the default method for 2+ members: the one whose held-out gain over the best member has a 95%
+# interval above 0 and that is below no task's best member by more than noise (README, dev suite)
+DEFAULT_ENSEMBLE_METHOD = "specfuse"
+
 __all__ = ["ENGINE_OPTIONS", "AsyncTextStream", "Ensemble", "GenerationResult", "TextStream"]
 
 _SHARED: dict[tuple, "Ensemble"] = {}
@@ -56,7 +60,7 @@ class Ensemble:
         'org/repo:file.gguf' (default: the bundled SmolLM2 + Gemma-3-270M pair), or {"model": ...,
         "preamble": [...], "revision", "device_map", "max_memory", "offload_folder"} dicts; the main
         member (drafter) is the strongest unless the method config names one.
-    method: "single", "unite", "safe", "specfuse", "smc" (default: "safe" for 2+ members, else "single");
+    method: "single", "unite", "safe", "specfuse", "smc" (default: "specfuse" for 2+ members, else "single");
         config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype / name.
@@ -90,7 +94,7 @@ class Ensemble:
         self.placement, self.ray_address, self.member_resources = plan.kind, plan.ray_address, plan.member_resources
         self.devices, self.dtypes = plan.devices, plan.dtypes
         if method is None:
-            method = "safe" if len(members) > 1 else "single"
+            method = DEFAULT_ENSEMBLE_METHOD if len(members) > 1 else "single"
         if not isinstance(method, str):
             raise ConfigError(f"method must be a method name (str), got {method!r}")
         self.method_name = method

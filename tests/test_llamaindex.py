@@ -35,13 +35,13 @@ def llm(pair):
 
 
 def test_construction_metadata_and_sharing(pair):
-    a = EnsembleLLM(members=pair, config={"lookahead": 7}, progress=False)  # an engine no other test built
+    a = EnsembleLLM(members=pair, method="safe", config={"lookahead": 7}, progress=False)  # a new engine
     assert a.engine._members is None
     md = a.metadata
     assert md.is_chat_model and md.is_function_calling_model and md.context_window == 2048
     assert md.model_name == a.model_name and md.num_output == 256
     assert a.engine._members is None  # metadata reads configs, it loads no weights
-    lc = LangChainEnsembleLLM(members=pair, config={"lookahead": 7}, progress=False)
+    lc = LangChainEnsembleLLM(members=pair, method="safe", config={"lookahead": 7}, progress=False)
     assert lc.engine is a.engine  # one engine, one set of loaded models, for both frameworks
     assert EnsembleLLM(engine=lc.engine).engine is lc.engine
     for kwargs, field in (

@@ -133,7 +133,7 @@ class EnsembleLLM(BaseChatModel):
     """Bundled names, local folders, local .gguf files or cached hub ids (default: the bundled pair), or
     {"model": ..., "preamble": [messages]} dicts that give one member its own preamble."""
     method: str | None = None
-    """"single", "unite", "safe", "specfuse" or "smc" (default "safe" for two or more members)."""
+    """"single", "unite", "safe", "specfuse" or "smc" (default "specfuse" for two or more members)."""
     config: Any = None
     """The method's config: its dataclass (e.g. `SafeConfig(lookahead=4)`) or a dict."""
     device: Any = "auto"

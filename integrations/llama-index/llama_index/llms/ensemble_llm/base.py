@@ -122,7 +122,7 @@ class EnsembleLLM(FunctionCallingLLM):
         "{'model': ..., 'preamble': [messages]} dicts.",
     )
     method: Optional[str] = Field(
-        default=None, description='"single", "unite", "safe", "specfuse" or "smc" (default safe for 2+ members).'
+        default=None, description='"single", "unite", "safe", "specfuse" or "smc" (default specfuse for 2+ members).'
     )
     config: Any = Field(default=None, description="The method's config dataclass or a dict.")
     device: Any = Field(default="auto", description='"auto", a device, or one device per member.')
