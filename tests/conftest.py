@@ -10,7 +10,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest
 import torch
-from helpers import GEMMA, SMOL  # noqa: E402,F401 (fixtures and tests use them)
+from helpers import GEMMA, SMOL, tiny_gemma, tiny_llama  # noqa: E402,F401 (fixtures and tests use them)
 
 # On a GPU machine without the bundled weights (ENSEMBLE_LLM_TEST_TOKENIZERS: a folder holding
 # <name>/ with the tokenizer files only), the tiny-model tests still run; deselect `real` there.
@@ -58,55 +58,15 @@ def tokenizers(tokenizer_dirs):
     return {name: AutoTokenizer.from_pretrained(path) for name, path in tokenizer_dirs.items()}
 
 
-def _tiny_llama(vocab: int, ctx: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=ctx,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def _tiny_gemma(vocab: int, ctx: int):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    cfg = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=ctx,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    return Gemma3ForCausalLM(cfg)
-
-
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory, tokenizers):
     """Folders with tiny random-weight models and the real tokenizers: {'smol', 'gemma', 'smol_short'}."""
     torch.manual_seed(0)
     out = {}
     for key, build, name, ctx in (
-        ("smol", _tiny_llama, SMOL, 2048),
-        ("gemma", _tiny_gemma, GEMMA, 2048),
-        ("smol_short", _tiny_llama, SMOL, 64),
+        ("smol", tiny_llama, SMOL, 2048),
+        ("gemma", tiny_gemma, GEMMA, 2048),
+        ("smol_short", tiny_llama, SMOL, 64),
     ):
         tok = tokenizers[name]
         model = build(len(tok), ctx)

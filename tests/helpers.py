@@ -8,6 +8,59 @@ SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma-3-270m"
 
 
+def tiny_llama(vocab: int, ctx: int = 2048, layers: int = 2, hidden: int = 32, init: float = 0.02):
+    """A tiny random-weight Llama for the SmolLM2 tokenizer (seed torch first for the same weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=ctx,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+        initializer_range=init,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_gemma(vocab: int, ctx: int = 2048, layers: int = 2):
+    """A tiny random-weight Gemma-3 for the Gemma tokenizer: sliding-window (8) and full layers."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        max_position_embeddings=ctx,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    return Gemma3ForCausalLM(cfg)
+
+
+def greedy(member, prompt: str, n: int = 20) -> tuple[list[int], str]:
+    """n greedy tokens after the prompt, one extend each: (ids, text)."""
+    state = member.prefill(member.prompt_ids(prompt))
+    out = []
+    for _ in range(n):
+        out.append(int(state.next_logprobs.argmax()))
+        member.extend(state, [out[-1]])
+    return out, member.decode(out)
+
+
 def start_server(
     models: list[str],
     method: str,

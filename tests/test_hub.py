@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
-from helpers import SMOL
+from helpers import SMOL, greedy, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 LFS_MIN = 1 << 20  # files from 1 MiB are LFS files on the hub: sha256 etags and an "lfs" tree entry
@@ -312,13 +312,7 @@ def ok(result: dict):
 def greedy_ids(folder: str) -> list[int]:
     from ensemble_llm.members import load_member
 
-    m = load_member(folder, device="cpu")
-    state = m.prefill(m.prompt_ids("Hello, my name is"))
-    ids = []
-    for _ in range(8):
-        ids.append(int(state.next_logprobs.argmax()))
-        m.extend(state, [ids[-1]])
-    return ids
+    return greedy(load_member(folder, device="cpu"), "Hello, my name is", 8)[0]
 
 
 def sha256(path: Path) -> str:
@@ -329,26 +323,13 @@ def sha256(path: Path) -> str:
 def served(tmp_path_factory, tokenizers):
     """Tiny random-weight Llama models with the real SmolLM2 tokenizer, saved with save_pretrained:
     two versions (seeds), and the hub serving them under several repos."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     folders = {}
     for seed, hidden in ((1, 32), (2, 32), (3, 128)):  # 3: weights over 20 MB, past huggingface_hub's 10 MB chunks
         torch.manual_seed(seed)
         tok = tokenizers[SMOL]
-        cfg = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=2,
-            tie_word_embeddings=True,
-        )
         path = tmp_path_factory.mktemp(f"served_{seed}")
-        LlamaForCausalLM(cfg).save_pretrained(path)
+        tiny_llama(len(tok), hidden=hidden).save_pretrained(path)
         tok.save_pretrained(path)
         folders[seed] = path
     hub = FakeHub()

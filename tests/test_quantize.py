@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GEMMA, SMOL
+from helpers import GEMMA, SMOL, greedy
 
 from ensemble_llm.errors import ConfigError
 from ensemble_llm.members import clear_cache, load_member
@@ -87,16 +87,6 @@ def test_plan_counts_quantized_weights_smaller(tiny_dirs):
     assert "float32+int4" in plan.table()
 
 
-def greedy(member, prompt: str, n: int = 20) -> list[int]:
-    state = member.prefill(member.prompt_ids(prompt))
-    out = []
-    for _ in range(n):
-        token = int(state.next_logprobs.argmax())
-        out.append(token)
-        member.extend(state, [token])
-    return out
-
-
 def is_int8(weight) -> bool:
     from torchao.utils import TorchAOBaseTensor
 
@@ -163,7 +153,7 @@ def test_a_checkpoint_saved_int8_loads_as_it_is(tiny_dirs, tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "torchao"
     loaded = load_member(str(out), device="cpu")
     assert is_int8(loaded.model.model.layers[0].self_attn.q_proj.weight)
-    assert greedy(loaded, PROMPT, 10) == greedy(q, PROMPT, 10)
+    assert greedy(loaded, PROMPT, 10)[0] == greedy(q, PROMPT, 10)[0]
     with pytest.raises(ConfigError, match="already quantized"):
         load_member(str(out), device="cpu", options=INT8)
 
@@ -177,7 +167,7 @@ def test_real_smollm2_int8_greedy_text_matches_fp32(real_dirs):
     same_tokens = total = 0
     for p in prompts:
         chat = f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n"
-        a, b = greedy(whole, chat, 20), greedy(q, chat, 20)
+        a, b = greedy(whole, chat, 20)[0], greedy(q, chat, 20)[0]
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         same_tokens += prefix
         total += len(a)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SMOL
+from helpers import SMOL, greedy, tiny_gemma, tiny_llama
 
 from ensemble_llm.errors import ConfigError
 from ensemble_llm.members import clear_cache, load_member
@@ -14,53 +14,6 @@ from ensemble_llm.members.options import NO_OPTIONS, member_options
 from ensemble_llm.requests import member_spec
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
-
-
-def greedy(member, prompt: str, n: int = 20) -> tuple[list[int], str]:
-    state = member.prefill(member.prompt_ids(prompt))
-    out = []
-    for _ in range(n):
-        token = int(state.next_logprobs.argmax())
-        out.append(token)
-        member.extend(state, [token])
-    return out, member.decode(out)
-
-
-def _tiny(kind: str, vocab: int):
-    if kind == "smol":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=2,
-            tie_word_embeddings=True,
-            initializer_range=0.3,  # varied greedy text (at 0.02 it repeats one token)
-        )
-        return LlamaForCausalLM(cfg)
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    cfg = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    return Gemma3ForCausalLM(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +26,8 @@ def four_layer_dirs(tmp_path_factory, tokenizers):
     for kind, name in (("smol", SMOL), ("gemma", GEMMA)):
         tok = tokenizers[name]
         path = tmp_path_factory.mktemp(f"split_{kind}")
-        _tiny(kind, len(tok)).save_pretrained(path)
+        build = tiny_llama(len(tok), layers=4, init=0.3) if kind == "smol" else tiny_gemma(len(tok), layers=4)
+        build.save_pretrained(path)  # init 0.3: varied greedy text (at 0.02 it repeats one token)
         tok.save_pretrained(path)
         out[kind] = str(path)
     return out

@@ -102,6 +102,17 @@ def run_constraint_bench(
     return results
 
 
+def schema_error(value: Any, schema: dict, finish_reason: str = "", parse: bool = False) -> str | None:
+    """None when `value` (with `parse`: JSON text) validates against `schema`, else why not."""
+    try:
+        jsonschema.validate(json.loads(value) if parse else value, schema)
+    except ValueError as exc:  # json.JSONDecodeError
+        return f"not JSON ({finish_reason}): {exc}"
+    except jsonschema.ValidationError as exc:
+        return f"invalid: {exc.message}"
+    return None
+
+
 def _calls(engines: dict[str, Ensemble], rows: list[dict], max_new_tokens: int, bar) -> dict[str, list[dict]]:
     """Each schema as a forced tool call, every engine in turn; the call validated."""
     calls: dict[str, list[dict]] = {k: [] for k in engines}
@@ -109,14 +120,10 @@ def _calls(engines: dict[str, Ensemble], rows: list[dict], max_new_tokens: int, 
         tool = _tool(row)
         for key, eng in engines.items():
             res = eng.generate(row["prompt"], tools=[tool], tool_choice=row["name"], max_new_tokens=max_new_tokens)
-            error = None
             if res.finish_reason != "tool_calls":
                 error = f"no call ({res.finish_reason})"
             else:
-                try:
-                    jsonschema.validate(res.tool_calls[0].arguments, row["schema"])
-                except jsonschema.ValidationError as exc:
-                    error = f"invalid: {exc.message}"
+                error = schema_error(res.tool_calls[0].arguments, row["schema"])
             st = res.stats
             calls[key].append(
                 {
@@ -156,11 +163,8 @@ def _cost(engines: dict[str, Ensemble], rows: list[dict], cost_tokens: int, bar)
             c["json_s"] += constrained.stats["time_s"]
             c["json_tokens"] += constrained.stats.get("tokens_out", 0)
             c["matcher_s"] += constrained.stats.get("constraint_time_s", 0.0)
-            try:  # within cost_tokens a long document may be cut (finish_reason "length")
-                jsonschema.validate(json.loads(constrained.text), row["schema"])
-                c["json_valid"] += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
+            # within cost_tokens a long document may be cut (finish_reason "length")
+            c["json_valid"] += schema_error(constrained.text, row["schema"], parse=True) is None
     return cost
 
 
@@ -171,13 +175,7 @@ def _tight(engines: dict[str, Ensemble], rows: list[dict], tight_tokens: int, ba
         fmt = {"type": "json_schema", "json_schema": {"name": row["name"], "schema": row["schema"]}}
         for key, eng in engines.items():
             res = eng.generate(row["prompt"], response_format=fmt, max_new_tokens=tight_tokens)
-            error = None
-            try:
-                jsonschema.validate(json.loads(res.text), row["schema"])
-            except ValueError as exc:
-                error = f"not JSON ({res.finish_reason}): {exc}"
-            except jsonschema.ValidationError as exc:
-                error = f"invalid: {exc.message}"
+            error = schema_error(res.text, row["schema"], res.finish_reason, parse=True)
             st = res.stats
             tight_rows[key].append(
                 {
