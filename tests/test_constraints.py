@@ -349,7 +349,7 @@ def real_engines(real_dirs):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("method", ["single", "unite", "safe", "specfuse", "smc"])
+@pytest.mark.parametrize("method", ["single", "unite", "safe", "specfuse"])  # smc: tiny models here, real in the bench
 def test_real_pair_forced_calls_validate(real_engines, method):
     from ensemble_llm.bench.constraints import _tool, load_schemas
 
