@@ -229,6 +229,7 @@ def _cmd_serve(args) -> int:
             port=args.port,
             api_key=args.api_key,
             max_queue=args.max_queue,
+            max_batch=args.max_batch,
             device=args.device,
             **_placement(args),
         )
@@ -373,6 +374,12 @@ def _add_serve(sub) -> None:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting or running before 429")
+    sv.add_argument(
+        "--max-batch",
+        default="auto",
+        type=lambda v: v if v == "auto" else int(v),
+        help='requests decoded at once, batched per member ("auto": 8 CPU, 32 CUDA)',
+    )
     _add_placement(sv)
     sv.set_defaults(func=_cmd_serve)
 

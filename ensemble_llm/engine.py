@@ -19,12 +19,12 @@ from typing import Any, Callable, Sequence, Unpack
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
 from .errors import ConfigError
 from .members import DEFAULT_MODELS, Member, load_member
-from .members.loader import local_dir
+from .members.loader import config_window, local_dir
 from .members.plan import MemoryPlan, plan_members
 from .methods import get_method
 from .params import GenerationParams
 from .pipeline import make_result, member_prompts, run_method
-from .placement import plan_placement
+from .placement import plan_placement, resolve_max_batch
 from .requests import Job, Settings, make_job, member_entries
 from .results import GenerationResult
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
@@ -50,6 +50,7 @@ ENGINE_OPTIONS = (
     "placement",
     "ray_address",
     "member_resources",
+    "max_batch",
 )
 
 
@@ -64,6 +65,7 @@ class Ensemble:
         config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype / name.
+    max_batch: requests run at once, one-token forwards batched per member ("auto": 8 CPU, 32 CUDA).
     Weights load on first use (or `load()`), once per process for the same model and device.
     """
 
@@ -81,6 +83,7 @@ class Ensemble:
         placement: str = "local",
         ray_address: str | None = None,
         member_resources: Any = None,
+        max_batch: int | str = "auto",
     ) -> None:
         if members is None:
             members = list(DEFAULT_MODELS)
@@ -102,14 +105,12 @@ class Ensemble:
         self.config = self.method_class.make_config(config)
         # member-count rules (>= 2 members, indices and weights per member) need no weights: check now
         self.method_class(self.sources, self.config).check_members()
-        self.cache_dir = cache_dir
-        self.trust_remote_code = bool(trust_remote_code)
-        self.progress = progress
-        self._members: list[Member] | None = None
-        self._method = None
+        self.cache_dir, self.trust_remote_code, self.progress = cache_dir, bool(trust_remote_code), progress
+        self._members, self._method = None, None  # list[Member] and the method, built by load()
         self._auto: dict[str, list[float]] = {}  # "auto" weights per prompt kind, once calibrated
         self._load_lock = threading.RLock()  # load() calibrates "auto" weights, which asks for the members
-        self._worker = Worker(self._execute, self.load)
+        self.max_batch = resolve_max_batch(max_batch, self.placement, self.devices)  # requests at once
+        self._worker = Worker(self._execute, self.load, self.max_batch, steps=self.placement == "local")
 
     @classmethod
     def shared(
@@ -132,6 +133,7 @@ class Ensemble:
             eng.placement,
             eng.ray_address,
             repr(eng.member_resources),
+            eng.max_batch,
         )
         with _SHARED_LOCK:
             return _SHARED.setdefault(key, eng)
@@ -165,16 +167,9 @@ class Ensemble:
                     members = self._place_on_ray()
                 else:
                     self.plan().check()  # the whole set, before any member downloads or loads
+                    kw = {"cache_dir": self.cache_dir, "trust_remote_code": self.trust_remote_code}
                     members = [
-                        load_member(
-                            s.ref,
-                            device=d,
-                            dtype=t,
-                            cache_dir=self.cache_dir,
-                            trust_remote_code=self.trust_remote_code,
-                            progress=self.progress,
-                            options=o,
-                        )
+                        load_member(s.ref, device=d, dtype=t, progress=self.progress, options=o, **kw)
                         for s, d, t, o in zip(self.sources, self.devices, self.dtypes, self.options)
                     ]
                 method = self.method_class(members, self.config)
@@ -210,15 +205,12 @@ class Ensemble:
         """The smallest member's context window, read from the model configs (no weights load)."""
         if self._members is not None or self.placement == "ray":  # ray: the actors read the configs
             return min(m.context_window for m in self.members)
-        from transformers import AutoConfig
-
-        sizes = []
-        for s, o in zip(self.sources, self.options):
-            path = local_dir(s, self.cache_dir, progress=self.progress, revision=o.revision)
-            cfg = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
-            cfg = cfg.get_text_config(decoder=True)
-            sizes.append(int(getattr(cfg, "max_position_embeddings", None) or 2048))
-        return min(sizes)
+        return min(
+            config_window(
+                local_dir(s, self.cache_dir, progress=self.progress, revision=o.revision), self.trust_remote_code
+            )
+            for s, o in zip(self.sources, self.options)
+        )
 
     def member_weights(self, kind: str = "chat") -> tuple[list[float], int]:
         """(member weights, main member) for requests of `kind` ("chat" or "raw").
@@ -277,13 +269,21 @@ class Ensemble:
         self, prompt: str | list[dict], params: GenerationParams | None = None, **settings: Unpack[Settings]
     ) -> GenerationResult:
         """Run one request to the end and return its result."""
-        job = self._job(prompt, params, settings)
-        job.shows_text = False  # nobody sees the deltas: a fault after some text can still be retried
-        stream = self._open(job, sync_channel())
-        for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
+        return self.generate_many([prompt], params, **settings)[0]
+
+    def generate_many(
+        self, prompts: Sequence[str | list[dict]], params: GenerationParams | None = None, **settings: Unpack[Settings]
+    ) -> list[GenerationResult]:
+        """Many requests at once (up to `max_batch` decode together, one batched forward per member
+        per step), every prompt checked before any runs; results in order."""
+        jobs = [self._job(p, params, settings) for p in prompts]
+        for job in jobs:
+            job.shows_text = False  # nobody sees the deltas: a fault after some text can still be retried
+        streams = [self._open(job, sync_channel()) for job in jobs]
+        for stream in streams:  # a failure is raised in order; the requests after it still finish
+            for _ in stream:
+                pass
+        return [s.result for s in streams]
 
     def stream(
         self, prompt: str | list[dict], params: GenerationParams | None = None, **settings: Unpack[Settings]

@@ -5,7 +5,7 @@ one device and dtype per member) or `placement="ray"` (each member in a Ray acto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -56,3 +56,19 @@ def plan_placement(
     resolve_dtype(dtype, torch.device("cpu"))  # a bad name fails here; "auto" is resolved by each actor
     name = "auto" if dtype is None else dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     return Placement("ray", [torch.device("cpu")] * n, [name] * n, ray_address, resources)
+
+
+MAX_BATCH = {"cpu": 8, "cuda": 32}  # "auto": requests run at once per device kind (members/batching.py)
+
+
+def resolve_max_batch(value: Any, placement: str, devices: Sequence[Any]) -> int:
+    """How many requests run at once: an int >= 1, or "auto" (8 on CPU, 32 when every member is on
+    CUDA; 1 with Ray placement, whose members' forwards are not batched yet)."""
+    if value == "auto":
+        if placement == "ray":
+            return 1
+        kinds = {torch.device(d).type for d in devices}
+        return MAX_BATCH["cuda"] if kinds == {"cuda"} else MAX_BATCH["cpu"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f'max_batch must be an int >= 1 or "auto", got {value!r}')
+    return value

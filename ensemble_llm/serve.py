@@ -476,6 +476,7 @@ def serve(
     placement: str = "local",
     ray_address: str | None = None,
     member_resources: Any = None,
+    max_batch: int | str = "auto",
 ) -> None:
     """Load the ensemble (members in this process, or each in a Ray actor with placement="ray"),
     then serve it until interrupted."""
@@ -489,5 +490,6 @@ def serve(
         placement=placement,
         ray_address=ray_address,
         member_resources=member_resources,
+        max_batch=max_batch,
     ).load()
     uvicorn.run(create_app(engine, api_key=api_key, max_queue=max_queue), host=host, port=port, log_level="warning")

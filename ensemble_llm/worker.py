@@ -1,16 +1,19 @@
-"""The engine's worker: one thread per engine that owns the models and runs queued requests one
-at a time, in order, so concurrent callers (threads or asyncio tasks) never corrupt a KV cache or
-interleave output. A request's internal fault (GenerationError) is retried up to `max_retries`
-times under the same deadline, unless a stream already showed text; every failure reaches its
-caller through the sink and the worker lives on."""
+"""The engine's worker: threads that run queued requests, up to `max_batch` at once (in order of
+arrival), each request on its own KV caches, so concurrent callers (threads or asyncio tasks)
+never corrupt a cache or interleave output; their one-token forwards share batched steps. A
+request's internal fault (GenerationError) is retried up to `max_retries` times under the same
+deadline, unless a stream already showed text; every failure reaches its caller through the sink
+and the worker lives on."""
 
 from __future__ import annotations
 
 import queue
 import threading
+from contextlib import nullcontext
 from typing import Callable
 
 from .errors import EnsembleError, GenerationError, RequestCancelled
+from .members.batching import SCHEDULER, Tally
 from .members.member import forward_guard
 from .requests import Job
 from .results import GenerationResult
@@ -20,31 +23,44 @@ Execute = Callable[[Job, Callable[[str], None], threading.Event], GenerationResu
 
 
 class Worker:
-    """Runs `execute(job, emit, cancel)` for each submitted job on its own thread; `load()` runs
-    first (outside the forward guard, so a short timeout cannot cut loading off midway)."""
+    """Runs `execute(job, emit, cancel)` for each submitted job, up to `max_batch` jobs at once,
+    each on a thread of its own (their one-token member forwards are batched into shared steps:
+    members/batching.py); `load()` runs first (outside the forward guard, so a short timeout
+    cannot cut loading off midway)."""
 
-    def __init__(self, execute: Execute, load: Callable[[], object]) -> None:
-        self._execute, self._load = execute, load
+    def __init__(self, execute: Execute, load: Callable[[], object], max_batch: int = 1, steps: bool = True) -> None:
+        # steps: the requests' one-token forwards join the shared steps (False for members in Ray
+        # actors, whose forwards never reach the step scheduler: others must not wait for them)
+        self._execute, self._load, self.max_batch, self._steps = execute, load, max_batch, steps
         self._jobs: "queue.Queue" = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for a job
         self._lock = threading.Lock()
 
     def submit(self, job: Job, sink: Sink, cancel: threading.Event) -> None:
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._work, name="ensemble-llm-worker", daemon=True)
-                self._thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if self._idle == 0 and len(self._threads) < self.max_batch:
+                thread = threading.Thread(target=self._work, name="ensemble-llm-worker", daemon=True)
+                self._threads.append(thread)
+                self._idle += 1
+                thread.start()
+            self._idle -= 1  # a thread is taken by this job (the count may dip below 0 while jobs queue)
         self._jobs.put((job, sink, cancel))
 
     def _work(self) -> None:
         while True:
             job, sink, cancel = self._jobs.get()
-            if cancel.is_set():
-                continue
             try:
-                sink("done", self.attempts(job, sink, cancel))
-            except EnsembleError as exc:
-                sink("error", exc)
+                if cancel.is_set():
+                    continue
+                try:
+                    sink("done", self.attempts(job, sink, cancel))
+                except EnsembleError as exc:
+                    sink("error", exc)
+            finally:
+                with self._lock:
+                    self._idle += 1
 
     def attempts(self, job: Job, sink: Sink, cancel: threading.Event) -> GenerationResult:
         """Run the request; an internal fault (GenerationError) is retried up to
@@ -65,7 +81,8 @@ class Worker:
             try:
                 job.check_deadline()  # it may have expired while waiting in the queue
                 self._load()  # loading and calibration run once, outside the guard, so a short timeout
-                with forward_guard(guard):  # cannot cut them off midway and make every request redo them
+                # cannot cut them off midway and make every request redo them
+                with SCHEDULER.request() if self._steps else nullcontext(), forward_guard(guard, Tally()):
                     result = self._execute(job, emit, cancel)
                 if attempt:
                     result.stats["retries"] = attempt

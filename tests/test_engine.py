@@ -241,10 +241,12 @@ def test_same_model_is_loaded_once_per_process(tiny_dirs):
     assert a.members[0] is b.members[0]
 
 
-def test_timeout_counts_the_time_waiting_in_the_queue(engine):
-    """Reliability D6: a request queued behind a long one times out on its own clock."""
+def test_timeout_counts_the_time_waiting_in_the_queue(tiny_dirs):
+    """Reliability D6: a request queued behind a long one (every slot taken: max_batch=1) times
+    out on its own clock."""
     from ensemble_llm import RequestTimeout
 
+    engine = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="single", max_batch=1)
     long = engine.stream("Tell me a long story.", max_new_tokens=300)
     short = engine.stream("hi", max_new_tokens=2, timeout=0.05)
     t = time.perf_counter()

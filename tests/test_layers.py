@@ -22,6 +22,7 @@ FLOORS = {
         "members.fetch",
         "members.convert",
         "members.rows",
+        "members.batching",
         "members.vocab",
         "members.protocol",
         "members.member",

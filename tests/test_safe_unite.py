@@ -65,8 +65,7 @@ def safe_pair(real_dirs):
 @pytest.mark.real
 def test_consensus_skips_are_lossless_theorem_1(safe_pair):
     checked = 0
-    for p in PROMPTS:
-        res = safe_pair.generate(p, max_new_tokens=40, trace=True)
+    for p, res in zip(PROMPTS, safe_pair.generate_many(PROMPTS, max_new_tokens=40, trace=True)):  # batched
         for t in res.stats["trace"]:
             if t["reason"] == "consensus":
                 assert t["unite_pick"] == t["key"], (p, t)

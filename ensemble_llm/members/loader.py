@@ -173,6 +173,14 @@ def local_dir(source: Source, cache_dir=None, progress: bool = True, revision: s
     return hub_folder(source.ref, revision, progress=progress)
 
 
+def config_window(path: Path, trust_remote_code: bool = False) -> int:
+    """A model folder's context window, read from its config (no weights load)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config(decoder=True)
+    return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+
+
 def tokenizer_dir(name: str, cache_dir=None, progress: bool = True) -> Path:
     """A folder with the tokenizer of bundled model `name`: its converted folder when there is one,
     else the tokenizer alone, extracted from the fetched GGUF without converting the weights."""

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from .batching import SCHEDULER, Tally
 from .bytelm import ByteLM
 from .vocab import Vocab, token_bytes
 
@@ -25,22 +26,28 @@ _GUARD = threading.local()
 
 
 @contextlib.contextmanager
-def forward_guard(check):
+def forward_guard(check, tally: Tally | None = None):
     """Call `check()` before every forward pass run by this thread inside the block. The engine
     passes its request's deadline and cancellation check: it raises, so a request stops within
-    one forward pass of its timeout or of its caller going away, whatever the method is doing."""
-    previous = getattr(_GUARD, "check", None)
-    _GUARD.check = check
+    one forward pass of its timeout or of its caller going away, whatever the method is doing.
+    The forwards run for the request are counted in `tally` (its stats: `Member.counters`)."""
+    previous = getattr(_GUARD, "check", None), getattr(_GUARD, "tally", None)
+    _GUARD.check, _GUARD.tally = check, tally
     try:
         yield
     finally:
-        _GUARD.check = previous
+        _GUARD.check, _GUARD.tally = previous
 
 
 def current_guard():
     """The check `forward_guard` installed for this thread (None outside a request): threads that
     run part of a request (parallel drafts, remote waits) install the same one."""
     return getattr(_GUARD, "check", None)
+
+
+def current_tally() -> Tally | None:
+    """The request's forward counts `forward_guard` installed for this thread (None outside one)."""
+    return getattr(_GUARD, "tally", None)
 
 
 @dataclass
@@ -52,6 +59,8 @@ class KVState:
     next_logprobs: torch.Tensor | None = None  # [V] float32
     next_logits: torch.Tensor | None = None  # [V] the raw logits behind next_logprobs
     scored: Any = None  # candidates of a score_inline(keep=True) still in the cache (see keep_candidate)
+    group: Any = None  # the batching.RowGroup whose row `row` holds the cache (then `cache` is None)
+    row: int = -1
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -172,29 +181,64 @@ class Member(TokenizerView):
         self.n_forward = 0
         self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
         self.forward_time = 0.0
-        self._ready: KVState | None = None  # a prompt's state that score_prompt ran, for the next prefill
+        self._ready = threading.local()  # per thread: a prompt's state that score_prompt ran, for the next prefill
+        self._lock = threading.RLock()  # one forward at a time; a RowGroup is changed under it
 
     def __repr__(self) -> str:
         return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
 
+    @cached_property
+    def kv_per_token(self) -> int | None:
+        """Bytes of KV cache per token of context (all layers, keys and values)."""
+        from .plan import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.model.config.to_dict(), self.dtype)
+
     def counters(self) -> tuple[int, float, int, int, int]:
         """(forward passes, seconds in them, prefills, bytes moved to and from another process and
-        waits for its answers: 0 and 0 here)."""
+        waits for its answers: 0 and 0 here): those of the calling thread's request inside one (a
+        batched step counts once for each request in it), else the member's totals."""
+        tally = current_tally()
+        if tally is not None:
+            return (*tally.of(self), 0, 0)
         return self.n_forward, self.forward_time, self.n_prefill, 0, 0
 
+    def _count_prefill(self) -> None:
+        self.n_prefill += 1
+        tally = current_tally()
+        if tally is not None:
+            tally.add(self, 0, 0.0, 1)
+
     # ---- forwards ------------------------------------------------------------------------
-    def _forward(self, **kw) -> torch.Tensor:
-        check = getattr(_GUARD, "check", None)
-        if check is not None:
-            check()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            logits = self.model(**kw).logits.to(self.device)  # a no-op unless the head sits elsewhere
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.n_forward += 1
-        self.forward_time += time.perf_counter() - t0
+    def _forward(self, tallies: list | None = None, **kw) -> torch.Tensor:
+        """One forward pass; a batched step passes the `tallies` of its requests (their own
+        guards ran before they joined it), any other forward runs under this thread's guard."""
+        if tallies is None:
+            check = getattr(_GUARD, "check", None)
+            if check is not None:
+                check()
+            tallies = [current_tally()]
+        with self._lock:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                logits = self.model(**kw).logits.to(self.device)  # a no-op unless the head sits elsewhere
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            self.n_forward += 1
+            self.forward_time += dt
+        for tally in tallies:
+            if tally is not None:
+                tally.add(self, 1, dt)
         return logits
+
+    def _own(self, state: KVState) -> None:
+        """Take `state` out of its batching group (its cache becomes its own) before a forward or
+        change that is not a one-token step."""
+        if state.group is not None:
+            with self._lock:
+                if state.group is not None:
+                    state.group.release(state)
 
     def new_state(self) -> KVState:
         # Full (non-sliding) cache layers everywhere: sliding-window attention is still applied by the
@@ -207,10 +251,20 @@ class Member(TokenizerView):
         262k vocabulary, every position's logits would cost 1 MB and a full lm_head product)."""
         if not ids:
             raise ValueError("extend() needs at least one token id")
+        if len(ids) == 1 and SCHEDULER.batching():  # other requests run: one forward for all their steps
+            check = getattr(_GUARD, "check", None)
+            if check is not None:
+                check()
+            return SCHEDULER.extend(self, state, ids[0], current_tally())
+        self._own(state)
+        return self._extend_own(state, ids, last_only)
+
+    def _extend_own(self, state: KVState, ids: Sequence[int], last_only: bool = False, tally=None) -> torch.Tensor:
         self.drop_candidates(state)
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         keep = {"logits_to_keep": 1} if last_only else {}
-        logits = self._forward(input_ids=x, cache=state.cache, use_cache=True, **keep)[0]
+        tallies = None if tally is None else [tally]
+        logits = self._forward(tallies, input_ids=x, cache=state.cache, use_cache=True, **keep)[0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         state.ids.extend(int(i) for i in ids)
         state.next_logprobs, state.next_logits = logp[-1], logits[-1].float()
@@ -219,10 +273,10 @@ class Member(TokenizerView):
     def prefill(self, ids: Sequence[int]) -> KVState:
         """A new state holding `ids` (the prompt); its next_logprobs is ready. The state that
         `score_prompt` left for the same ids is handed over instead of running the prompt again."""
-        ready, self._ready = self._ready, None
+        ready, self._ready.state = getattr(self._ready, "state", None), None
         if ready is not None and ready.ids == [int(i) for i in ids]:
             return ready
-        self.n_prefill += 1
+        self._count_prefill()
         state = self.new_state()
         self.extend(state, ids, last_only=True)
         return state
@@ -237,8 +291,8 @@ class Member(TokenizerView):
         next `prefill` of the same ids, so a request that scores its prompt runs it once."""
         if not ids:
             raise ValueError("score_prompt() needs at least one token id")
-        self._ready = None
-        self.n_prefill += 1
+        self._ready.state = None
+        self._count_prefill()
         state = self.new_state()
         rows = [p - 1 for p in positions] + [len(ids) - 1]
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
@@ -247,7 +301,7 @@ class Member(TokenizerView):
         last = logits[-1:].float()
         state.ids.extend(int(i) for i in ids)
         state.next_logits, state.next_logprobs = last[0], torch.log_softmax(last, dim=-1)[0]
-        self._ready = state
+        self._ready.state = state
         if not positions:
             return []
         logp = torch.log_softmax(logits[:-1].float(), dim=-1)
@@ -276,6 +330,12 @@ class Member(TokenizerView):
         k = len(state.ids) - n
         if k == 0:
             return
+        with self._lock:
+            if state.group is not None:  # its later columns become holes: nothing is copied
+                state.group.crop(state, n)
+                del state.ids[n:]
+                state.next_logprobs = state.next_logits = None
+                return
         if n == 0:
             state.cache = DynamicCache()
         else:
@@ -319,10 +379,10 @@ class Member(TokenizerView):
         return [logp[r, : len(s)] for r, s in enumerate(seqs)]
 
     # ---- many contexts at once (SMC): a prompt cache plus per-token KV slices ----------------
-    @staticmethod
-    def kv_tensor(state: KVState) -> torch.Tensor:
+    def kv_tensor(self, state: KVState) -> torch.Tensor:
         """The cache of `state` as one tensor [layers, 2, kv_heads, tokens, head_dim] (keys, values),
         on the device of the first layer's cache."""
+        self._own(state)
         layers = state.cache.layers
         dev = layers[0].keys.device
         return torch.stack([torch.stack([layer.keys[0].to(dev), layer.values[0].to(dev)]) for layer in layers])
@@ -412,6 +472,7 @@ class Member(TokenizerView):
             raise ValueError("score_inline needs non-empty candidates")
         self.drop_candidates(state)
         first_lp = self.ensure_next(state)
+        self._own(state)
         p = len(state.ids)
         total = sum(len(c) for c in candidates)
         flat = [t for c in candidates for t in c]

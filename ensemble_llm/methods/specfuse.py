@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
-from ..members.member import current_guard, forward_guard
+from ..members.member import current_guard, current_tally, forward_guard
 from ..members.rows import pick_token
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
 from .base import Method, Request, RunStats
@@ -263,7 +263,7 @@ class _FuseRun:
         self.st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
         # members on different devices, or in Ray actors, draft and score in parallel threads
         parallel = len({str(m.device) for m in members}) > 1 or any(m.remote for m in members)
-        self.check = current_guard()  # the request's deadline holds in those threads too
+        self.check, self.tally = current_guard(), current_tally()  # the request's deadline and counts hold there too
         # one generator per member when drafting in parallel, so sampling stays reproducible
         self.gens = [req.generator] * self.k
         if parallel and req.generator is not None and req.temperature > 0:
@@ -282,7 +282,7 @@ class _FuseRun:
             return [fn(x) for x in items]
 
         def guarded(x):
-            with forward_guard(self.check):
+            with forward_guard(self.check, self.tally):
                 return fn(x)
 
         return list(self.pool.map(guarded, items))

@@ -147,6 +147,8 @@ class EnsembleLLM(BaseChatModel):
     """placement="ray": the cluster to join ("auto", "ray://HEAD:10001"); None starts a local one."""
     member_resources: Any = None
     """placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}."""
+    max_batch: Any = "auto"
+    """Requests run at once, their one-token forwards batched per member ("auto": 8 on CPU, 32 on CUDA, 1 on Ray)."""
 
     temperature: float = Field(default=0.0, ge=0.0)
     """0 = greedy."""

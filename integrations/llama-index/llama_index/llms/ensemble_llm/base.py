@@ -146,6 +146,13 @@ class EnsembleLLM(FunctionCallingLLM):
             'placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}.'
         ),
     )
+    max_batch: Any = Field(
+        default="auto",
+        description=(
+            "Requests run at once, their one-token forwards batched per member "
+            '("auto": 8 on CPU, 32 on CUDA, 1 on Ray).'
+        ),
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(default=256, gt=0, description="Most new tokens per reply.")

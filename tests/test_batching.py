@@ -1,0 +1,194 @@
+"""Continuous batching across concurrent requests (members/batching.py): a batched step computes
+what each row's own forward computes, and concurrent requests get the texts they get alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ensemble_llm import Ensemble
+from ensemble_llm.errors import ConfigError
+from ensemble_llm.members.batching import SCHEDULER, RowGroup, _Call, run_step
+
+PROMPTS = ["The capital of France is", "Write a haiku about rain.", "2+2=", "List three colors:", "Once upon a"]
+
+
+def _state(member, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return member.prefill(torch.randint(10, 1000, (n,), generator=g).tolist())
+
+
+def _copy(member, state):
+    return member.prefill(list(state.ids))
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)
+def test_steps_in_a_group_match_each_rows_own_forwards(tiny_members, key):
+    m = tiny_members[key]
+    states = [_state(m, n, i) for i, n in enumerate((5, 13, 9))]
+    alone = [_copy(m, s) for s in states]
+
+    def step(pairs):  # [(index, token)] batched, and the same one by one on the copies
+        run_step(m, [_Call(m, states[i], t, None) for i, t in pairs])
+        for i, t in pairs:
+            m.extend(alone[i], [t])
+            assert states[i].ids == alone[i].ids
+            torch.testing.assert_close(states[i].next_logprobs, alone[i].next_logprobs, atol=1e-5, rtol=1e-5)
+
+    step([(0, 11), (1, 12), (2, 13)])
+    group = states[0].group
+    assert isinstance(group, RowGroup) and all(s.group is group for s in states)
+    for k in range(10):  # past the window; row 2 sits some steps out (hole columns)
+        step([(0, 20 + k), (1, 30 + k)] + ([(2, 40 + k)] if k % 3 else []))
+    assert states[0].group is group
+    m.crop(states[1], len(states[1].ids) - 4)  # a rollback inside the group: holes, no copy
+    m.crop(alone[1], len(alone[1].ids) - 4)
+    assert states[1].group is group
+    m.ensure_next(states[1])  # no other request runs here: it leaves the group and recomputes alone
+    m.ensure_next(alone[1])
+    torch.testing.assert_close(states[1].next_logprobs, alone[1].next_logprobs, atol=1e-5, rtol=1e-5)
+    assert states[1].group is None
+    step([(0, 50), (2, 51)])
+    m.extend(states[2], [1, 2, 3])  # a multi-token extend takes the row out, its cache intact
+    m.extend(alone[2], [1, 2, 3])
+    torch.testing.assert_close(states[2].next_logprobs, alone[2].next_logprobs, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(m.kv_tensor(states[0]), m.kv_tensor(alone[0]), atol=1e-5)
+
+
+def test_a_worn_group_is_rebuilt_from_its_live_rows(tiny_members):
+    m = tiny_members["smol"]
+    states = [_state(m, n, i) for i, n in enumerate((4, 6))]
+    run_step(m, [_Call(m, s, 5, None) for s in states])
+    first = states[0].group
+    for k in range(90):  # both rows rolled back after every step: the holes widen the group
+        run_step(m, [_Call(m, s, 7 + k, None) for s in states])
+        assert states[0].group is not None
+        m.crop(states[0], 5)
+        m.crop(states[1], 7)
+    assert states[0].group is not first  # rebuilt once wider than twice its longest row + slack
+    run_step(m, [_Call(m, s, 3, None) for s in states])
+    for s in states:
+        alone = m.prefill(list(s.ids))
+        torch.testing.assert_close(s.next_logprobs, alone.next_logprobs, atol=1e-5, rtol=1e-5)
+
+
+METHODS = [
+    ("single", None),
+    ("unite", {"weights": None}),
+    ("safe", {"weights": None}),
+    ("specfuse", {"weights": None}),
+    ("smc", {"weights": None, "n_particles": 2}),
+]
+
+
+@pytest.fixture(scope="module", params=METHODS, ids=[m for m, _ in METHODS])
+def engines(request, tiny_dirs):
+    method, config = request.param
+    members = [tiny_dirs["smol"]] if method == "single" else [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    one = Ensemble(members, method=method, config=config, max_batch=1).load()
+    many = Ensemble(members, method=method, config=config, max_batch=4).load()
+    return one, many
+
+
+def test_concurrent_requests_get_their_sequential_texts(engines):
+    """Five requests of different lengths on four slots, started at different times: they join
+    and leave the running batch mid-way, and each gets the text it gets alone (greedy)."""
+    one, many = engines
+    jobs = [(p, 6 + 5 * i) for i, p in enumerate(PROMPTS)]
+    alone = [one.generate(p, max_new_tokens=n, raw=True) for p, n in jobs]
+    before = [m.n_forward for m in many.members]
+
+    def run(i):
+        time.sleep(0.05 * i)
+        return many.generate(jobs[i][0], max_new_tokens=jobs[i][1], raw=True)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(run, range(len(jobs))))
+    assert [r.text for r in together] == [r.text for r in alone]
+    # each request's stats count the forwards it took part in, as when it ran alone
+    for a, b in zip(alone, together):
+        for name, st in a.stats["members"].items():
+            assert b.stats["members"][name]["forward_passes"] == st["forward_passes"]
+    m = many.members[0]  # tiny llama: 2 layers x 2 KV heads x head dim 8, keys and values, float32
+    assert together[0].stats["members"][m.name]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+    if one.method_name != "smc":  # smc's tree forwards are not batched (one request at a time per member)
+        ran = sum(m.n_forward for m in many.members) - sum(before)
+        took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
+        assert ran < took_part  # some forwards served several requests at once
+    assert SCHEDULER._active == 0 and not SCHEDULER._pending
+
+
+def test_cancelling_one_request_leaves_the_others_texts(tiny_dirs):
+    members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    one = Ensemble(members, method="unite", config={"weights": None}, max_batch=1)
+    many = Ensemble(members, method="unite", config={"weights": None}, max_batch=4)
+    alone = [one.generate(p, max_new_tokens=24, raw=True).text for p in PROMPTS[:3]]
+    streams = [many.stream(p, max_new_tokens=24, raw=True) for p in PROMPTS[:3]]
+    it = iter(streams[1])
+    next(it)  # it has started; the caller goes away
+    it.close()
+    texts = [None, None, None]
+
+    def drain(i):
+        texts[i] = "".join(streams[i])
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in (0, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert texts[0] == alone[0] and texts[2] == alone[2]
+    assert SCHEDULER._active == 0
+    assert many.generate(PROMPTS[1], max_new_tokens=24, raw=True).text == alone[1]  # the engine is usable
+
+
+def test_max_batch_is_checked():
+    with pytest.raises(ConfigError, match="max_batch"):
+        Ensemble(["smollm2-135m-instruct"], max_batch=0)
+    with pytest.raises(ConfigError, match="max_batch"):
+        Ensemble(["smollm2-135m-instruct"], max_batch="many")
+    assert Ensemble(["smollm2-135m-instruct"], device="cpu").max_batch == 8
+
+
+def _forwards(engine):
+    return sum(m.n_forward for m in engine.members)
+
+
+def test_generate_many_and_the_framework_batch_paths_decode_together(tiny_dirs):
+    """`generate_many`, LangChain's `batch`/`abatch` and LlamaIndex's `acomplete` under
+    `asyncio.gather` run their requests at once: the texts of one at a time, fewer forwards."""
+    import asyncio
+
+    from langchain_ensemble_llm import EnsembleLLM as ChatEnsemble
+    from llama_index.llms.ensemble_llm import EnsembleLLM as IndexEnsemble
+
+    members, cfg = [tiny_dirs["smol"], tiny_dirs["gemma"]], {"weights": None}
+    one = Ensemble(members, method="unite", config=cfg, max_batch=1)
+    many = Ensemble(members, method="unite", config=cfg, max_batch=4)
+    alone = [one.generate(p, max_new_tokens=12) for p in PROMPTS[:4]]
+    n0 = _forwards(many)
+    results = many.generate_many(PROMPTS[:4], max_new_tokens=12)
+    assert [r.text for r in results] == [r.text for r in alone]
+    took_part = sum(st["forward_passes"] for r in results for st in r.stats["members"].values())
+    assert _forwards(many) - n0 < took_part
+
+    chat, chat_one = ChatEnsemble(engine=many, max_tokens=12), ChatEnsemble(engine=one, max_tokens=12)
+    expect = [chat_one.invoke(p).content for p in PROMPTS[:4]]
+    n0 = _forwards(many)
+    assert [m.content for m in chat.batch(PROMPTS[:4])] == expect
+    assert [m.content for m in asyncio.run(chat.abatch(PROMPTS[:4]))] == expect
+    assert _forwards(many) - n0 < 2 * took_part
+
+    index, index_one = IndexEnsemble(engine=many, max_new_tokens=12), IndexEnsemble(engine=one, max_new_tokens=12)
+    expect = [index_one.complete(p).text for p in PROMPTS[:4]]
+
+    async def gather():
+        return await asyncio.gather(*(index.acomplete(p) for p in PROMPTS[:4]))
+
+    n0 = _forwards(many)
+    assert [r.text for r in asyncio.run(gather())] == expect
+    assert _forwards(many) - n0 < took_part
