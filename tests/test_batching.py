@@ -4,7 +4,6 @@ what each row's own forward computes, and concurrent requests get the texts they
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -59,6 +58,23 @@ def test_steps_in_a_group_match_each_rows_own_forwards(tiny_members, key):
     assert torch.allclose(m.kv_tensor(states[0]), m.kv_tensor(alone[0]), atol=1e-5)
 
 
+@pytest.mark.parametrize("key", ["smol", "gemma"])
+def test_trees_of_several_requests_in_one_forward_match_each_tree_alone(tiny_members, key):
+    """smc's forward_rows: two requests' context trees in one forward give each tree's own rows."""
+    m = tiny_members[key]
+    trees = []
+    for i, n in enumerate((6, 11)):
+        prefix = m.kv_tensor(_state(m, n, i))
+        _, kids = m.forward_rows(prefix, [[], []], [5 + i, 6 + i])  # two children of the prefix
+        trees.append((prefix, [[kids[0]], [kids[0]], [kids[1]]], [7, 8, 9 + i]))
+    together = m.rows_many(trees)
+    for tree, (logits, slices) in zip(trees, together):
+        alone_logits, alone_slices = m.forward_rows(*tree)
+        torch.testing.assert_close(logits, alone_logits, atol=1e-4, rtol=1e-4)
+        for a, b in zip(slices, alone_slices):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_a_worn_group_is_rebuilt_from_its_live_rows(tiny_members):
     m = tiny_members["smol"]
     states = [_state(m, n, i) for i, n in enumerate((4, 6))]
@@ -95,15 +111,14 @@ def engines(request, tiny_dirs):
 
 
 def test_concurrent_requests_get_their_sequential_texts(engines):
-    """Five requests of different lengths on four slots, started at different times: they join
-    and leave the running batch mid-way, and each gets the text it gets alone (greedy)."""
+    """Five requests of different lengths on four slots: they leave the running batch at
+    different steps, the fifth joins mid-way, and each gets the text it gets alone (greedy)."""
     one, many = engines
-    jobs = [(p, 6 + 5 * i) for i, p in enumerate(PROMPTS)]
+    jobs = [(p, 16 + 6 * i) for i, p in enumerate(PROMPTS)]
     alone = [one.generate(p, max_new_tokens=n, raw=True) for p, n in jobs]
     before = [m.n_forward for m in many.members]
 
     def run(i):
-        time.sleep(0.05 * i)
         return many.generate(jobs[i][0], max_new_tokens=jobs[i][1], raw=True)
 
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -115,10 +130,9 @@ def test_concurrent_requests_get_their_sequential_texts(engines):
             assert b.stats["members"][name]["forward_passes"] == st["forward_passes"]
     m = many.members[0]  # tiny llama: 2 layers x 2 KV heads x head dim 8, keys and values, float32
     assert together[0].stats["members"][m.name]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
-    if one.method_name != "smc":  # smc's tree forwards are not batched (one request at a time per member)
-        ran = sum(m.n_forward for m in many.members) - sum(before)
-        took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
-        assert ran < took_part  # some forwards served several requests at once
+    ran = sum(m.n_forward for m in many.members) - sum(before)
+    took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
+    assert ran < took_part  # some forwards served several requests at once
     assert SCHEDULER._active == 0 and not SCHEDULER._pending
 
 

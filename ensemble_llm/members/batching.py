@@ -15,9 +15,11 @@ masks columns instead of copying; any other operation takes the row out of the g
 its own position ids, through a 4-D mask (sliding-window layers get a mask of their own), so a
 batched step computes what the row's own forward would, up to float rounding.
 
-What is batched: one-token `extend`s of members in this process. Multi-token extends (prefills,
-verification, scoring), smc's tree forwards and members in Ray actors still run one request at a
-time per member (under the member's lock), interleaved with the steps.
+What is batched: one-token `extend`s of members in this process, and smc's tree forwards
+(`forward_rows`: the trees of several requests laid out one after another in one forward).
+Multi-token extends (prefills, verification, scoring) and members in Ray actors still run one
+request at a time per member (under the member's lock), between the steps; the steps do not wait
+for a request inside such a forward.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class _Call:
     result: torch.Tensor | None = None
     error: BaseException | None = None
     since: float = field(default_factory=time.monotonic)
+    tree: tuple | None = None  # a forward_rows call (smc): (prefix_kv, paths, tokens); then no state/token
 
 
 class RowGroup:
@@ -200,6 +203,7 @@ class StepScheduler:
         self._cond = threading.Condition()
         self._local = threading.local()
         self._active = 0  # request threads running (registered by `request`)
+        self._busy = 0  # of those, threads inside a forward of their own (a prefill, a scoring): not waited for
         self._pending: list[_Call] = []
         self._stepping = False
         self._stepped = 0.0  # when the last step ended: everyone gets a gather period after it
@@ -218,13 +222,34 @@ class StepScheduler:
                 self._active -= 1
                 self._cond.notify_all()  # the others may all be waiting now
 
+    @contextlib.contextmanager
+    def own_forward(self):
+        """The calling thread runs a forward outside the steps: while it does, the steps do not wait for it."""
+        if not getattr(self._local, "on", False):
+            yield
+            return
+        with self._cond:
+            self._busy += 1
+            self._cond.notify_all()  # the others may all be waiting now
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+
     def batching(self) -> bool:
         """Whether an extend from this thread should wait for a step: it runs a request, and
         another request runs too."""
         return getattr(self._local, "on", False) and self._active > 1
 
     def extend(self, member: Any, state: Any, token: int, tally: Tally | None) -> torch.Tensor:
-        call = _Call(member, state, int(token), tally)
+        return self._wait(_Call(member, state, int(token), tally))
+
+    def rows(self, member: Any, tree: tuple, tally: Tally | None) -> tuple:
+        """A `forward_rows` call, run with the other requests' trees in one forward."""
+        return self._wait(_Call(member, None, -1, tally, tree=tree))
+
+    def _wait(self, call: _Call) -> Any:
         with self._cond:
             self._pending.append(call)
             self._cond.notify_all()
@@ -232,7 +257,7 @@ class StepScheduler:
                 # every running request waits in a step (or this call has waited a gather period:
                 # a request still prefilling or scoring is not waited for longer): this thread steps
                 late = time.monotonic() - max(call.since, self._stepped) >= GATHER_S
-                if not self._stepping and (len(self._pending) >= self._active or late):
+                if not self._stepping and (len(self._pending) >= self._active - self._busy or late):
                     self._step()
                 else:
                     self._cond.wait(GATHER_S)
@@ -245,12 +270,17 @@ class StepScheduler:
         calls, self._pending, self._stepping = self._pending, [], True
         self._cond.release()
         try:
-            by_member: dict[int, list[_Call]] = {}
+            by_member: dict[tuple, list[_Call]] = {}
             for c in calls:
-                by_member.setdefault(id(c.member), []).append(c)
+                by_member.setdefault((id(c.member), c.tree is None), []).append(c)
             for group in by_member.values():
                 try:
-                    run_step(group[0].member, group)
+                    if group[0].tree is None:
+                        run_step(group[0].member, group)
+                    else:  # smc's trees: one forward for all of them
+                        outs = group[0].member.rows_many([c.tree for c in group], [c.tally for c in group])
+                        for c, out in zip(group, outs):
+                            c.result = out
                 except BaseException as exc:  # noqa: BLE001 - each waiting request raises it in its own thread
                     for c in group:
                         c.error = exc

@@ -217,7 +217,8 @@ class Member(TokenizerView):
             check = getattr(_GUARD, "check", None)
             if check is not None:
                 check()
-            tallies = [current_tally()]
+            with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
+                return self._forward([current_tally()], **kw)
         with self._lock:
             t0 = time.perf_counter()
             with torch.inference_mode():
@@ -404,49 +405,66 @@ class Member(TokenizerView):
         with its true position id. Copying the prefix into B padded rows instead made the cost
         grow with B x prompt length (memory copies, not attention, dominated long chat prompts).
         Sliding-window layers get a mask of their own, so they stay exact. Returns raw logits
-        [B, V] and the new token's KV slice for every row."""
+        [B, V] and the new token's KV slice for every row. While other requests run, the call
+        joins theirs in one forward (members/batching.py: each tree keeps its own columns)."""
         if not tokens or len(paths) != len(tokens):
             raise ValueError("forward_rows needs one path per token and at least one token")
-        n_prefix = prefix_kv.shape[3]
-        col: dict[int, int] = {}  # id(slice) -> its column after the prefix
-        nodes: list[torch.Tensor] = []
-        node_pos: list[int] = []
-        for path in paths:
-            for depth, kv in enumerate(path):
-                if id(kv) not in col:
-                    col[id(kv)] = len(nodes)
-                    nodes.append(kv)
-                    node_pos.append(n_prefix + depth)
-        n_ctx, b = n_prefix + len(nodes), len(tokens)
-        kv = torch.cat([prefix_kv] + nodes, dim=3) if nodes else prefix_kv  # [layers, 2, heads, T+N, dim]
+        if SCHEDULER.batching():
+            check = getattr(_GUARD, "check", None)
+            if check is not None:
+                check()
+            return SCHEDULER.rows(self, (prefix_kv, paths, tokens), current_tally())
+        return self.rows_many([(prefix_kv, paths, tokens)])[0]
+
+    def rows_many(self, calls: Sequence[tuple], tallies: list | None = None) -> list[tuple]:
+        """`forward_rows` for several (prefix_kv, paths, tokens) trees in ONE forward: every tree's
+        prefix and path slices laid out one after another, each row masked to its own tree."""
+        parts: list[torch.Tensor] = []
+        kpos: list[int] = []
+        trees = []  # per call: (first column of its prefix, prefix length, slice id -> column)
+        for prefix_kv, paths, _ in calls:
+            n_prefix, base, col = prefix_kv.shape[3], sum(p.shape[3] for p in parts), {}
+            parts.append(prefix_kv)
+            kpos.extend(range(n_prefix))
+            for path in paths:
+                for depth, kv in enumerate(path):
+                    if id(kv) not in col:
+                        col[id(kv)] = base + n_prefix + len(col)
+                        kpos.append(n_prefix + depth)
+            parts.extend(sorted({id(kv): kv for path in paths for kv in path}.values(), key=lambda kv: col[id(kv)]))
+            trees.append((base, n_prefix, col))
+        n_ctx, b = len(kpos), sum(len(t) for _, _, t in calls)
+        kv = torch.cat(parts, dim=3)  # [layers, 2, heads, columns, dim]
         cache = self._cache_from(kv)
         neg = torch.finfo(self.dtype).min
         mask = torch.full((b, n_ctx + b), neg, dtype=self.dtype, device=self.device)
-        mask[:, :n_prefix] = 0.0
-        for r, path in enumerate(paths):
-            for node in path:
-                mask[r, n_prefix + col[id(node)]] = 0.0
-            mask[r, n_ctx + r] = 0.0
-        qpos = torch.tensor([n_prefix + len(p) for p in paths], device=self.device)
-        kpos = torch.cat(
-            [
-                torch.arange(n_prefix, device=self.device),
-                torch.tensor(node_pos, dtype=torch.long, device=self.device),
-                qpos,
-            ]
-        )
+        qpos, r = [], 0
+        for (base, n_prefix, col), (_, paths, _) in zip(trees, calls):
+            for path in paths:
+                mask[r, base : base + n_prefix] = 0.0
+                for node in path:
+                    mask[r, col[id(node)]] = 0.0
+                mask[r, n_ctx + r] = 0.0
+                qpos.append(n_prefix + len(path))
+                r += 1
+        q = torch.tensor(qpos, device=self.device)
         logits = self._forward(
-            input_ids=torch.tensor([[int(t) for t in tokens]], device=self.device),
-            attention_mask=self._layer_masks(mask, qpos, kpos),
-            position_ids=qpos[None],
+            tallies,
+            input_ids=torch.tensor([[int(t) for _, _, toks in calls for t in toks]], device=self.device),
+            attention_mask=self._layer_masks(mask, q, torch.cat([torch.tensor(kpos, device=self.device), q])),
+            position_ids=q[None],
             cache=cache,
             use_cache=True,
-        )[0]
+        )[0].float()
         to = kv.device
         new = torch.stack(
             [torch.stack([c.keys[0, :, n_ctx:].to(to), c.values[0, :, n_ctx:].to(to)]) for c in cache.layers]
         )  # [layers, 2, heads, B, dim]
-        return logits.float(), [new[:, :, :, r : r + 1].clone() for r in range(b)]
+        out, r = [], 0
+        for _, _, toks in calls:
+            out.append((logits[r : r + len(toks)], [new[:, :, :, i : i + 1].clone() for i in range(r, r + len(toks))]))
+            r += len(toks)
+        return out
 
     def _layer_masks(self, mask: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> Any:
         """The 4-D additive mask for every layer from a [q, k] mask; a model with sliding-window
