@@ -86,7 +86,7 @@ def main() -> None:
         proc = None
         if args.server:
             import openai
-            from conftest import start_server
+            from helpers import start_server
 
             proc, base = start_server(members, method, extra=["--max-batch", str(max(levels))])
             client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--out", default="serve-overhead")
     args = ap.parse_args()
     import openai
-    from conftest import start_server
+    from helpers import start_server
 
     from ensemble_llm import Ensemble
 
