@@ -73,12 +73,15 @@ def main() -> None:
     ap.add_argument("--methods", default="single,unite,safe,specfuse,smc")
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=None, help="the engine's max_batch (default: the most clients)")
+    ap.add_argument("--repeat", type=int, default=1, help="send the prompts this many times (e.g. 8: 64 requests)")
     ap.add_argument("--server", action="store_true", help="through a real `ensemble-llm serve` process")
     ap.add_argument("--out", default="batching")
     args = ap.parse_args()
     from ensemble_llm import Ensemble
 
     models, levels = args.models.split(","), [int(c) for c in args.clients.split(",")]
+    prompts, max_batch = PROMPTS * args.repeat, args.max_batch or max(levels)
     rows = []
     for method in args.methods.split(","):
         members = models[:1] if method == "single" else models
@@ -88,7 +91,7 @@ def main() -> None:
             import openai
             from helpers import start_server
 
-            proc, base = start_server(members, method, extra=["--max-batch", str(max(levels))])
+            proc, base = start_server(members, method, extra=["--max-batch", str(max_batch)])
             client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
 
             def ask(p, client=client):
@@ -100,7 +103,7 @@ def main() -> None:
                 )
                 return r.choices[0].message.content, r.usage.completion_tokens
         else:
-            engine = Ensemble(members, method, cfg, max_batch=max(levels)).load()
+            engine = Ensemble(members, method, cfg, max_batch=max_batch).load()
 
             def ask(p, engine=engine):
                 r = engine.generate(p, max_new_tokens=args.max_tokens)
@@ -110,11 +113,11 @@ def main() -> None:
             ask("Hello")  # warm up
             base_level = None
             for c in levels:
-                res = run_level(ask, PROMPTS, c)
+                res = run_level(ask, prompts, c)
                 base_level = base_level or res
                 diff = [
                     {"prompt": p, "alone": a, "together": b}
-                    for p, a, b in zip(PROMPTS, base_level["texts"], res["texts"])
+                    for p, a, b in zip(prompts, base_level["texts"], res["texts"])
                     if a != b
                 ]
                 res.update(
@@ -135,11 +138,12 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     where = "through `ensemble-llm serve` (openai client)" if args.server else "in process"
     lines = [
-        f"# Continuous batching: {len(PROMPTS)} chat requests, greedy, up to {args.max_tokens} tokens, {where}",
+        f"# Continuous batching: {len(prompts)} chat requests, greedy, up to {args.max_tokens} tokens, {where}",
         "",
         f"Members: {args.models} (single: the first). 2 CPU cores. `python benchmarks/batching_throughput.py"
         + (" --server" if args.server else "")
-        + "`.",
+        + f" --methods {args.methods} --clients {args.clients} --max-tokens {args.max_tokens}"
+        + f" --repeat {args.repeat} --max-batch {max_batch}`.",
         "",
         "| method | clients | tokens/s | x 1 client | p50 s | p95 s | p50 x 1 client | texts differing |",
         "|---|---|---|---|---|---|---|---|",
