@@ -25,16 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Name three colours.",
-    "Why is the sky blue?",
-    "Describe a cat.",
-    "What is photosynthesis?",
-    "Give two tips for sleeping well.",
-    "What is a prime number?",
-    "Write one sentence about the sea.",
-]
+from serve_overhead import PROMPTS  # noqa: E402 (the same 8 chat prompts as the serve-overhead bench)
 
 
 def percentile(xs: list[float], q: float) -> float:

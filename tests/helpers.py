@@ -8,6 +8,21 @@ SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma-3-270m"
 
 
+# every method on the tiny models, with uniform weights (and 2 particles for smc): (method, config)
+TINY_METHODS = [
+    ("single", None),
+    ("unite", {"weights": None}),
+    ("safe", {"weights": None}),
+    ("specfuse", {"weights": None}),
+    ("smc", {"weights": None, "n_particles": 2}),
+]
+
+
+def tiny_pair_for(method: str, tiny_dirs: dict) -> list[str]:
+    """The tiny members a method runs on: SmolLM2's alone for single, else the SmolLM2 + Gemma pair."""
+    return [tiny_dirs["smol"]] if method == "single" else [tiny_dirs["smol"], tiny_dirs["gemma"]]
+
+
 def tiny_llama(vocab: int, ctx: int = 2048, layers: int = 2, hidden: int = 32, init: float = 0.02):
     """A tiny random-weight Llama for the SmolLM2 tokenizer (seed torch first for the same weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM

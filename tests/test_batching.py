@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers import TINY_METHODS, tiny_pair_for
 
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError
@@ -92,19 +93,13 @@ def test_a_worn_group_is_rebuilt_from_its_live_rows(tiny_members):
         torch.testing.assert_close(s.next_logprobs, alone.next_logprobs, atol=1e-5, rtol=1e-5)
 
 
-METHODS = [
-    ("single", None),
-    ("unite", {"weights": None}),
-    ("safe", {"weights": None}),
-    ("specfuse", {"weights": None}),
-    ("smc", {"weights": None, "n_particles": 2}),
-]
+METHODS = TINY_METHODS
 
 
 @pytest.fixture(scope="module", params=METHODS, ids=[m for m, _ in METHODS])
 def engines(request, tiny_dirs):
     method, config = request.param
-    members = [tiny_dirs["smol"]] if method == "single" else [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    members = tiny_pair_for(method, tiny_dirs)
     one = Ensemble(members, method=method, config=config, max_batch=1).load()
     many = Ensemble(members, method=method, config=config, max_batch=4).load()
     return one, many

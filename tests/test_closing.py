@@ -10,6 +10,7 @@ from typing import Literal, Optional
 
 import jsonschema
 import pytest
+from helpers import TINY_METHODS, tiny_pair_for
 from pydantic import BaseModel, Field
 
 from ensemble_llm import Ensemble, RequestError
@@ -103,19 +104,13 @@ def test_a_required_recursive_field_is_required_at_every_depth_and_null_at_the_b
 
 
 # ---- every method, tiny models, tight budgets ---------------------------------------------------
-METHODS = [
-    ("single", None),
-    ("unite", {"weights": None}),
-    ("safe", {"weights": None}),
-    ("specfuse", {"weights": None}),
-    ("smc", {"weights": None, "n_particles": 2}),
-]
+METHODS = TINY_METHODS
 
 
 @pytest.fixture(scope="module", params=METHODS, ids=[m for m, _ in METHODS])
 def engine(request, tiny_dirs):
     method, config = request.param
-    members = [tiny_dirs["smol"]] if method == "single" else [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    members = tiny_pair_for(method, tiny_dirs)
     return Ensemble(members, method=method, config=config).load()
 
 

@@ -13,6 +13,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_METHODS, tiny_pair_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_smc import TableLM  # byte LMs over {a, b} whose distribution can be enumerated
@@ -244,19 +245,13 @@ ADD = {
         },
     },
 }
-METHODS = [
-    ("single", None),
-    ("unite", {"weights": None}),
-    ("safe", {"weights": None}),
-    ("specfuse", {"weights": None}),
-    ("smc", {"weights": None, "n_particles": 2}),
-]
+METHODS = TINY_METHODS
 
 
 @pytest.fixture(scope="module", params=METHODS, ids=[m for m, _ in METHODS])
 def tiny_engine(request, tiny_dirs):
     method, config = request.param
-    members = [tiny_dirs["smol"]] if method == "single" else [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    members = tiny_pair_for(method, tiny_dirs)
     return Ensemble(members, method=method, config=config).load()
 
 
