@@ -230,6 +230,7 @@ def _cmd_serve(args) -> int:
             api_key=args.api_key,
             max_queue=args.max_queue,
             max_batch=args.max_batch,
+            kv_budget=None if args.kv_budget == "none" else args.kv_budget,
             device=args.device,
             **_placement(args),
         )
@@ -379,6 +380,12 @@ def _add_serve(sub) -> None:
         default="auto",
         type=lambda v: v if v == "auto" else int(v),
         help='requests decoded at once, batched per member ("auto": 8 CPU, 32 CUDA)',
+    )
+    sv.add_argument(
+        "--kv-budget",
+        default="auto",
+        help='KV-cache bytes running requests may hold per device, e.g. 2GB ("auto": 90%% of free GPU '
+        'memory, half the free RAM; "none": no limit); others wait, one that never fits gets a 400',
     )
     _add_placement(sv)
     sv.set_defaults(func=_cmd_serve)

@@ -1,7 +1,8 @@
 """`Ensemble` (floor 4): owns the members and one method; generate / stream / agenerate / astream.
 
-Requests are checked before anything is queued (requests.py), run one at a time on the engine's
-worker thread (worker.py) and reach their callers through a stream (streams.py). Each request is
+Requests are checked before anything is queued (requests.py), run up to `max_batch` at once on
+the worker's threads (worker.py; their one-token forwards share batched steps, their KV caches
+within `kv_budget`: kvbudget.py) and reach their callers through a stream (streams.py). Each request is
 a pipeline of named steps (pipeline.py): every member's prompt, this request's member weights
 (evidence.py), the method's run under the stop matcher and the tool-markup filter, the tool
 policy (tools.py), and the result with its usage and stats. A failed request raises in its
@@ -18,6 +19,7 @@ from typing import Any, Callable, Sequence, Unpack
 
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
 from .errors import ConfigError
+from .kvbudget import KVBudget
 from .members import DEFAULT_MODELS, Member, load_member
 from .members.loader import config_window, local_dir
 from .members.plan import MemoryPlan, plan_members
@@ -51,6 +53,7 @@ ENGINE_OPTIONS = (
     "ray_address",
     "member_resources",
     "max_batch",
+    "kv_budget",
 )
 
 
@@ -66,6 +69,7 @@ class Ensemble:
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype / name.
     max_batch: requests run at once, one-token forwards batched per member ("auto": 8 CPU, 32 CUDA).
+    kv_budget: KV-cache bytes the running requests may hold per device, others wait (kvbudget.py).
     Weights load on first use (or `load()`), once per process for the same model and device.
     """
 
@@ -84,6 +88,7 @@ class Ensemble:
         ray_address: str | None = None,
         member_resources: Any = None,
         max_batch: int | str = "auto",
+        kv_budget: Any = "auto",
     ) -> None:
         if members is None:
             members = list(DEFAULT_MODELS)
@@ -110,6 +115,7 @@ class Ensemble:
         self._auto: dict[str, list[float]] = {}  # "auto" weights per prompt kind, once calibrated
         self._load_lock = threading.RLock()  # load() calibrates "auto" weights, which asks for the members
         self.max_batch = resolve_max_batch(max_batch, self.placement, self.devices)  # requests at once
+        self.kv_budget = KVBudget(kv_budget)  # requests wait while their KV caches would not fit
         self._worker = Worker(self._execute, self.load, self.max_batch, steps=self.placement == "local")
 
     @classmethod
@@ -122,18 +128,9 @@ class Ensemble:
         eng = cls(members, method, config, **kw)
         key = (
             tuple(s.ref for s in eng.sources),
-            repr(eng.preambles),
-            repr(eng.options),
-            eng.method_name,
-            repr(eng.config),
-            tuple(map(str, eng.devices)),
-            tuple(map(str, eng.dtypes)),
-            str(eng.cache_dir),
-            eng.trust_remote_code,
-            eng.placement,
-            eng.ray_address,
-            repr(eng.member_resources),
-            eng.max_batch,
+            *map(repr, (eng.preambles, eng.options, eng.config, eng.member_resources)),
+            *map(str, (eng.method_name, eng.devices, eng.dtypes, eng.cache_dir, eng.trust_remote_code)),
+            *map(str, (eng.placement, eng.ray_address, eng.max_batch, eng.kv_budget.value)),
         )
         with _SHARED_LOCK:
             return _SHARED.setdefault(key, eng)
@@ -334,7 +331,7 @@ class Ensemble:
             texts, stops = member_prompts(self, job, choice)
             weights, main = self.member_weights("raw" if job.params.raw else "chat")
             job.check_deadline()  # calibrating may have used it up
-            run = run_method(self._method, self.members, job, texts, stops, weights, main, out, cancel)
+            run = run_method(self._method, self.members, job, texts, stops, weights, main, out, cancel, self.kv_budget)
             weights, main = run.req.weights, run.req.main  # this request's own (evidence.py)
             calls, again = tool_policy(job.prompt, run.calls, run.text, choice, run.notes)
             if not again:

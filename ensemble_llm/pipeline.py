@@ -18,6 +18,8 @@ from .chat import chat_stops, member_messages, render_chat, with_preamble
 from .errors import RequestError
 from .evidence import request_weights
 from .guide import Guide
+from .kvbudget import KVBudget
+from .members.member import current_guard
 from .methods import Method, Request
 from .requests import Job
 from .results import GenerationResult, ToolCall, Usage
@@ -114,11 +116,24 @@ def run_method(
     main: int,
     out: Output,
     cancel: threading.Event,
+    budget: KVBudget | None = None,
 ) -> MethodRun:
-    """The method's run on every member's prompt, under the request's deadline, its text
-    passed through the stop matcher and the tool-markup filter to the caller."""
-    p = job.params
+    """The method's run on every member's prompt, once its KV bound fits the engine's `budget`
+    (kvbudget.py), under the request's deadline, its text passed through the stop matcher and the
+    tool-markup filter to the caller."""
     req, notes = make_request(method, members, job, texts, stops, weights, main)
+    if budget is None:
+        return _run(method, job, req, notes, stops, out, cancel)
+    res = budget.plan(members, req.prompt_ids, req.max_new_tokens, method.kv_rows())
+    with budget.hold(res, current_guard() or job.check_deadline):  # the request's deadline and cancel
+        notes["kv_reserved_bytes"], notes["kv_wait_s"] = sum(res.alone().values()), round(res.waited_s, 4)
+        return _run(method, job, req, notes, stops, out, cancel)
+
+
+def _run(
+    method: Method, job: Job, req: Request, notes: dict, stops: StopPolicy, out: Output, cancel: threading.Event
+) -> MethodRun:
+    p = job.params
     # holds back tool-call markup and passes content through; with tool_choice "none" a call
     # the model writes anyway (imitating its history) is cut from the content, not returned
     run = MethodRun(req, ToolTextFilter(list(p.tools) if p.tools else None), notes=notes)

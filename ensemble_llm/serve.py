@@ -130,6 +130,7 @@ def _from_engine_error(exc: EnsembleError) -> ApiError:
         return ApiError(504, str(exc), "timeout_error", "timeout", "timeout")
     if isinstance(exc, RequestError):
         code = "context_length_exceeded" if "context window" in str(exc) else None
+        code = "kv_budget_exceeded" if "kv_budget" in str(exc) else code
         return ApiError(400, str(exc), "invalid_request_error", _param_of(str(exc)), code)
     if isinstance(exc, RequestCancelled):
         return ApiError(499, str(exc), "cancelled")
@@ -477,6 +478,7 @@ def serve(
     ray_address: str | None = None,
     member_resources: Any = None,
     max_batch: int | str = "auto",
+    kv_budget: Any = "auto",
 ) -> None:
     """Load the ensemble (members in this process, or each in a Ray actor with placement="ray"),
     then serve it until interrupted."""
@@ -491,5 +493,6 @@ def serve(
         ray_address=ray_address,
         member_resources=member_resources,
         max_batch=max_batch,
+        kv_budget=kv_budget,
     ).load()
     uvicorn.run(create_app(engine, api_key=api_key, max_queue=max_queue), host=host, port=port, log_level="warning")

@@ -331,10 +331,15 @@ def test_llamaindex_openailike_in_a_rag_query(server):
 def test_load_64_streaming_clients_health_stays_fast(tiny_dirs):
     """64 concurrent streaming clients with short outputs: every one completes with the text a
     lone request gets, /health answers within 100 ms at p99 meanwhile, and the queue limit gives
-    429s rather than hangs."""
+    429s rather than hangs. The KV budget lets 4 requests run at once (the others wait for room),
+    and one that could never fit gets a 400 naming kv_budget."""
     from helpers import start_server
 
-    proc, base = start_server([tiny_dirs["smol"], tiny_dirs["gemma"]], "safe", max_queue=256)
+    from ensemble_llm import Ensemble
+
+    pair = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    one = Ensemble(pair, "safe", kv_budget="1GB").generate("Say hi.", max_new_tokens=4).stats["kv_reserved_bytes"]
+    proc, base = start_server(pair, "safe", max_queue=256, extra=["--kv-budget", str(int(4.5 * one))])
     try:
         body = {"model": "x", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
 
@@ -369,6 +374,9 @@ def test_load_64_streaming_clients_health_stays_fast(tiny_dirs):
         alone, texts, lat = asyncio.run(main())
         assert texts == [alone] * 64  # greedy: every client gets the lone request's text
         assert lat and lat[int(0.99 * (len(lat) - 1))] < 0.1, lat[-5:]
+        r = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1500}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "kv_budget_exceeded", r.text
+        assert r.json()["error"]["param"] == "max_tokens"
     finally:
         proc.terminate()
         proc.wait(timeout=30)

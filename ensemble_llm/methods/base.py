@@ -110,6 +110,11 @@ class Method(abc.ABC):
         """Raise RequestError for sampling settings this method cannot honour. The engine calls it
         before queueing a request, so it fails before any work."""
 
+    def kv_rows(self) -> int:
+        """How many token sequences per member one request can hold KV for at once (kvbudget.py):
+        1 (its state, batched with the others'); smc: a token tree of particles x beams."""
+        return 1
+
     def main_member(self) -> int | None:
         """Index of the member whose tokens count the budget and the usage; None lets the engine
         pick the strongest member for each request (the largest calibrated weight)."""

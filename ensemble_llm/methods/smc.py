@@ -355,6 +355,9 @@ class Smc(Method):
     def main_member(self) -> int | None:
         return None  # the strongest member counts the token budget
 
+    def kv_rows(self) -> int:
+        return self.config.n_particles * self.config.beam_width
+
     def check_members(self) -> None:
         if len(self.members) < 2:
             raise ConfigError(

@@ -153,6 +153,13 @@ class EnsembleLLM(FunctionCallingLLM):
             '("auto": 8 on CPU, 32 on CUDA, 1 on Ray).'
         ),
     )
+    kv_budget: Any = Field(
+        default="auto",
+        description=(
+            "KV-cache bytes the running requests may hold per device; others wait, one that never "
+            'fits is refused ("auto": 90% of free GPU memory, half the free RAM; "2GB"; None: no limit).'
+        ),
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(default=256, gt=0, description="Most new tokens per reply.")
