@@ -12,7 +12,7 @@ from helpers import TINY_METHODS, tiny_pair_for
 
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError
-from ensemble_llm.members.batching import SCHEDULER, RowGroup, _Call, run_step
+from ensemble_llm.members.batching import SCHEDULER, RowGroup, _Call, run_prefills, run_step
 
 PROMPTS = ["The capital of France is", "Write a haiku about rain.", "2+2=", "List three colors:", "Once upon a"]
 
@@ -24,6 +24,56 @@ def _state(member, n, seed):
 
 def _copy(member, state):
     return member.prefill(list(state.ids))
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)
+def test_prompts_prefilled_together_match_their_own_prefills_and_step_on(tiny_members, key):
+    """Prompts of 5, 19 and 12 tokens in one left-padded forward: each state gets its own prefill's
+    log-probs and KV, as the rows of a group that the next steps use without a copy."""
+    m = tiny_members[key]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in (5, 19, 12)]
+    states = [m.new_state() for _ in prompts]
+    run_prefills(m, [_Call(m, s, -1, None, ids=p) for s, p in zip(states, prompts)])
+    alone = [m.prefill(p) for p in prompts]
+    group = states[0].group
+    assert isinstance(group, RowGroup) and all(s.group is group for s in states)
+    for s, a in zip(states, alone):
+        assert s.ids == a.ids
+        torch.testing.assert_close(s.next_logprobs, a.next_logprobs, atol=1e-5, rtol=1e-5)
+    for k in range(12):  # past the window
+        run_step(m, [_Call(m, s, 100 + k + i, None) for i, s in enumerate(states)])
+        for i, a in enumerate(alone):
+            m.extend(a, [100 + k + i])
+    assert all(s.group is group for s in states)
+    for s, a in zip(states, alone):
+        torch.testing.assert_close(s.next_logprobs, a.next_logprobs, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(m.kv_tensor(s), m.kv_tensor(a), atol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])
+def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_members, key):
+    """Extends of 3, 1 and 0 tokens in one step (safe's verifications beside one-token steps): each
+    row gets its own extend's log-probs for every new token (or the last with last_only)."""
+    m = tiny_members[key]
+    states = [_state(m, n, i) for i, n in enumerate((6, 11, 9))]
+    alone = [_copy(m, s) for s in states]
+    run_step(m, [_Call(m, s, 5 + i, None) for i, s in enumerate(states)])  # into one group
+    for i, a in enumerate(alone):
+        m.extend(a, [5 + i])
+    group = states[0].group
+    plan = [[(0, [7, 8, 9], False), (1, [10], False)], [(1, [11, 12], True), (2, [13, 14, 15, 16], False)]]
+    plan += [[(0, [17 + k], False), (1, [18, 19, 20][: 1 + k % 3], k % 2 == 0), (2, [21], False)] for k in range(8)]
+    for calls in plan:
+        batch = [_Call(m, states[i], toks, None, last_only=last) for i, toks, last in calls]
+        run_step(m, batch)
+        for c, (i, toks, last) in zip(batch, calls):
+            want = m.extend(alone[i], toks, last_only=last)
+            assert states[i].ids == alone[i].ids and c.result.shape == want.shape
+            torch.testing.assert_close(c.result, want, atol=1e-5, rtol=1e-5)
+    assert all(s.group is group for s in states)  # no copy: the same group all along
+    for s, a in zip(states, alone):
+        assert torch.allclose(m.kv_tensor(s), m.kv_tensor(a), atol=1e-5)
 
 
 @pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)

@@ -1,25 +1,26 @@
 """Continuous batching across concurrent requests: one batched forward per member per step.
 
 Every request runs its method in a thread of its own (the worker runs up to `max_batch` at once)
-and the methods stay as they are: sequential code asking a member to `extend` a state. A
-one-token `extend` from a request thread is not run at once: it waits in `SCHEDULER` for the
-step. A step runs when every running request is waiting in one (iteration-level scheduling, as
-in Orca: a request that is prefilling or scoring a segment is waited for up to `GATHER_S`, then
-the step goes without it), and it is ONE forward per member over all waiting states.
+and the methods stay as they are: sequential code asking a member to `extend` a state. An
+`extend` from a request thread, of one token or several (safe's verifications, forced tokens), is
+not run at once: it waits in `SCHEDULER` for the step, and so does a prompt's prefill. A step runs
+when every running request is waiting in one (iteration-level scheduling, as in Orca: a request
+inside a forward of its own, such as specfuse's scoring, is not waited for, and one still doing
+Python work is waited for up to `GATHER_S`), and it is ONE forward per member and kind over all
+waiting calls: the extends, the prompts (left-padded, `run_prefills`), smc's trees.
 
 The states of one member that step together live as rows of one batched cache (`RowGroup`), so
-a steady decode step copies nothing: each row's own tokens sit in its columns, right-aligned,
-and a row that does not take part in a step gets a masked hole column. A crop inside a group
-masks columns instead of copying; any other operation takes the row out of the group first
-(`release`: its columns copied into a cache of its own). Each row sees only its own columns at
-its own position ids, through a 4-D mask (sliding-window layers get a mask of their own), so a
-batched step computes what the row's own forward would, up to float rounding.
+a steady decode step copies nothing: each row's own tokens sit in its columns, right-aligned; a
+step adds as many columns as its longest extend, and the new columns a row does not fill are
+masked holes. A batched prefill's cache is already such a group. A crop inside a group masks
+columns instead of copying; any other operation takes the row out of the group first (`release`:
+its columns copied into a cache of its own). Each row sees only its own columns at its own
+position ids, through a 4-D mask (sliding-window layers get a mask of their own), so a batched
+step computes what the row's own forward would, up to float rounding.
 
-What is batched: one-token `extend`s of members in this process, and smc's tree forwards
-(`forward_rows`: the trees of several requests laid out one after another in one forward).
-Multi-token extends (prefills, verification, scoring) and members in Ray actors still run one
-request at a time per member (under the member's lock), between the steps; the steps do not wait
-for a request inside such a forward.
+Not batched: specfuse's in-line scoring (`score_inline`, a block mask of its own), the prompt
+scoring of per-request weights (`score_prompt`), and members in Ray actors; they run one request
+at a time per member (under the member's lock), between the steps.
 """
 
 from __future__ import annotations
@@ -59,21 +60,37 @@ class Tally:
 class _Call:
     member: Any
     state: Any
-    token: int
+    token: int | list[int]  # the token(s) to append to the state (an extend)
     tally: Tally | None
     done: bool = False
     result: torch.Tensor | None = None
     error: BaseException | None = None
     since: float = field(default_factory=time.monotonic)
     tree: tuple | None = None  # a forward_rows call (smc): (prefix_kv, paths, tokens); then no state/token
+    ids: list[int] | None = None  # a prompt's prefill into an empty state (then no token)
+    last_only: bool = False  # an extend's log-probs of its last token only
+
+    @property
+    def new(self) -> list[int]:
+        return [int(self.token)] if isinstance(self.token, int) else [int(t) for t in self.token]
+
+    @property
+    def kind(self) -> str:
+        return "tree" if self.tree is not None else "prefill" if self.ids is not None else "step"
 
 
 class RowGroup:
     """States of one member as the rows of one batched cache [rows, heads, width, dim] per layer.
     `valid[r, c]`: row r's token sits in column c; `pos[r, c]`: its position id (-1 for holes)."""
 
-    def __init__(self, member: Any, states: list) -> None:
+    def __init__(self, member: Any, states: list, built: tuple | None = None) -> None:
         self.member = member
+        if built is not None:  # (cache, valid, pos) of a batched prefill, already in this layout
+            self.cache, self.valid, self.pos = built
+            self.rows = [weakref.ref(s) for s in states]
+            for r, s in enumerate(states):
+                s.group, s.row, s.cache = self, r, None
+            return
         lens = [len(s.ids) for s in states]
         width = max(lens)
         dev = member.device
@@ -103,11 +120,12 @@ class RowGroup:
     def live(self) -> list:
         return [s for s in (r() for r in self.rows if r is not None) if s is not None]
 
-    def worn(self) -> bool:
-        """Too many holes or dead rows to keep stepping: rebuild from the live rows."""
+    def worn(self, columns: int = 1) -> bool:
+        """Too many dead rows, or too wide to take `columns` more (over twice the longest row plus
+        SLACK: the bound kvbudget.py counts on): rebuild from the live rows."""
         live = self.live()
         longest = max((len(s.ids) for s in live), default=0)
-        return len(live) * 2 < len(self.rows) or self.width > 2 * longest + SLACK
+        return len(live) * 2 < len(self.rows) or self.width + columns > 2 * longest + SLACK
 
     def release(self, state: Any) -> None:
         """Take `state` out of the group: its columns become a cache of its own."""
@@ -129,48 +147,98 @@ class RowGroup:
         self.pos[r, gone] = -1
 
     def step(self, calls: list[_Call]) -> None:
-        """One forward: each call's token appended to its row; rows without a call get a hole."""
-        m, b = self.member, len(self.rows)
+        """One forward: each call's tokens appended to its row (right-aligned in the t new columns,
+        t the most tokens of a call); the new columns a row does not fill are holes."""
+        m, b, w = self.member, len(self.rows), self.width
         dev = m.device
-        tokens = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        part = torch.zeros(b, dtype=torch.bool, device=dev)
-        qpos = torch.zeros(b, dtype=torch.long, device=dev)
+        t = max(len(c.new) for c in calls)
+        tokens = torch.zeros(b, t, dtype=torch.long, device=dev)
+        fresh = torch.zeros(b, t, dtype=torch.bool, device=dev)
+        qpos = torch.full((b, t), -1, dtype=torch.long, device=dev)
         for c in calls:
-            r = c.state.row
-            tokens[r, 0], part[r], qpos[r] = c.token, True, len(c.state.ids)
-        valid = torch.cat([self.valid, part[:, None]], dim=1)
-        pos = torch.cat([self.pos, torch.where(part, qpos, -1)[:, None]], dim=1)
-        seen = valid.clone()
-        seen[~part, -1] = True  # a row without a call sees its own hole only (a fully masked row gives NaN)
+            r, n, start = c.state.row, len(c.new), len(c.state.ids)
+            tokens[r, t - n :] = torch.tensor(c.new, dtype=torch.long, device=dev)
+            fresh[r, t - n :] = True
+            qpos[r, t - n :] = torch.arange(start, start + n, device=dev)
+        valid, pos = torch.cat([self.valid, fresh], dim=1), torch.cat([self.pos, qpos], dim=1)
+        # query (r, j) sees row r's past columns and its own new ones up to j; a hole sees only itself
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        seen = torch.cat([self.valid[:, None, :].expand(b, t, w), fresh[:, None, :] & causal], dim=2)
+        seen &= fresh[:, :, None]
+        j = torch.arange(t, device=dev)
+        seen[:, j, w + j] = True  # (a fully masked query gives NaN)
+        keep = max([1] + [len(c.new) for c in calls if not c.last_only])  # rows whose logits someone reads
         logits = m._forward(
             tallies=[c.tally for c in calls],
             input_ids=tokens,
             attention_mask=batch_masks(m, seen, qpos, pos),
-            position_ids=qpos[:, None],
+            position_ids=qpos.clamp(min=0),
             cache=self.cache,
             use_cache=True,
-        )[:, -1]
+            logits_to_keep=keep,
+        )
         self.valid, self.pos = valid, pos
         for c in calls:
-            row = logits[c.state.row].float()
+            n = 1 if c.last_only else len(c.new)
+            rows = logits[c.state.row, keep - n :].float()
+            logp = torch.log_softmax(rows, dim=-1)
+            c.state.ids.extend(c.new)
+            c.state.next_logprobs, c.state.next_logits = logp[-1], rows[-1]
+            c.result = logp
+
+
+def run_prefills(member: Any, calls: list[_Call]) -> None:
+    """Several requests' prompts in one forward, left-padded (each row at its own positions; the
+    model masks the pads, sliding windows included); their states become the rows of a new group,
+    ready for the steps. A lone prompt runs on its own cache."""
+    with member._lock:
+        if len(calls) == 1:
+            c = calls[0]
+            c.result = member._extend_own(c.state, c.ids, last_only=True, tally=c.tally)
+            return
+        dev, width = member.device, max(len(c.ids) for c in calls)
+        tokens = torch.zeros(len(calls), width, dtype=torch.long, device=dev)
+        valid = torch.zeros(len(calls), width, dtype=torch.bool, device=dev)
+        for r, c in enumerate(calls):
+            tokens[r, width - len(c.ids) :] = torch.tensor(c.ids, dtype=torch.long, device=dev)
+            valid[r, width - len(c.ids) :] = True
+        pos = valid.long().cumsum(-1) - 1
+        cache = DynamicCache()
+        logits = member._forward(
+            tallies=[c.tally for c in calls],
+            input_ids=tokens,
+            attention_mask=valid.long(),
+            position_ids=pos.clamp(min=0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )[:, -1]
+        with torch.inference_mode():  # the pads' keys and values are never read: zero, not whatever a pad computed
+            for layer in cache.layers:
+                hole = ~valid.to(layer.keys.device)[:, None, :, None]
+                layer.keys.masked_fill_(hole, 0)
+                layer.values.masked_fill_(hole, 0)
+        RowGroup(member, [c.state for c in calls], (cache, valid, torch.where(valid, pos, -1)))
+        for r, c in enumerate(calls):
+            row = logits[r].float()
             logp = torch.log_softmax(row, dim=-1)
-            c.state.ids.append(int(c.token))
+            c.state.ids.extend(c.ids)
             c.state.next_logprobs, c.state.next_logits = logp, row
             c.result = logp[None]
 
 
 def batch_masks(member: Any, seen: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> Any:
-    """The 4-D additive masks [rows, 1, 1, width] for one query per row: row r sees the columns in
-    `seen[r]`; a model with sliding-window layers gets a second mask for them (keys within the
-    window of the query's own position)."""
+    """The 4-D additive masks [rows, 1, queries, width]: query j of row r sees the columns in
+    `seen[r, j]`; a model with sliding-window layers gets a second mask for them (keys within the
+    window of the query's own position `qpos[r, j]`; `kpos`: the columns' positions)."""
     neg = torch.finfo(member.dtype).min
     full = torch.zeros(seen.shape, dtype=member.dtype, device=seen.device).masked_fill(~seen, neg)
     cfg = member.model.config.get_text_config(decoder=True)
     window = getattr(cfg, "sliding_window", None)
     if window and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        far = (qpos[:, None] - kpos) >= window
-        return {"full_attention": full[:, None, None], "sliding_attention": full.masked_fill(far, neg)[:, None, None]}
-    return full[:, None, None]
+        far = (qpos[:, :, None] - kpos[:, None, :]) >= window
+        return {"full_attention": full[:, None], "sliding_attention": full.masked_fill(far, neg)[:, None]}
+    return full[:, None]
 
 
 def run_step(member: Any, calls: list[_Call]) -> None:
@@ -181,13 +249,14 @@ def run_step(member: Any, calls: list[_Call]) -> None:
         for c in alone:
             if c.state.group is not None:
                 c.state.group.release(c.state)
-            c.result = member._extend_own(c.state, [c.token], tally=c.tally)
+            c.result = member._extend_own(c.state, c.new, last_only=c.last_only, tally=c.tally)
         calls = [c for c in calls if c not in alone]
         if not calls:
             return
         states = [c.state for c in calls]
         group = states[0].group
-        if group is None or any(s.group is not group for s in states) or group.worn():
+        columns = max(len(c.new) for c in calls)
+        if group is None or any(s.group is not group for s in states) or group.worn(columns):
             for s in states:
                 if s.group is not None:
                     s.group.release(s)
@@ -242,8 +311,15 @@ class StepScheduler:
         another request runs too."""
         return getattr(self._local, "on", False) and self._active > 1
 
-    def extend(self, member: Any, state: Any, token: int, tally: Tally | None) -> torch.Tensor:
-        return self._wait(_Call(member, state, int(token), tally))
+    def extend(self, member: Any, state: Any, ids: list[int], tally: Tally | None, last_only: bool = False):
+        """`ids` appended to `state` in the next step, with the other requests' extends of this
+        member (log-probs [len(ids), V], or [1, V] with `last_only`)."""
+        return self._wait(_Call(member, state, [int(i) for i in ids], tally, last_only=last_only))
+
+    def prefill(self, member: Any, state: Any, ids: list[int], tally: Tally | None) -> torch.Tensor:
+        """A prompt into the empty `state`, run with the other requests' prompts in one forward
+        (log-probs of the last position, [1, V])."""
+        return self._wait(_Call(member, state, -1, tally, ids=[int(i) for i in ids]))
 
     def rows(self, member: Any, tree: tuple, tally: Tally | None) -> tuple:
         """A `forward_rows` call, run with the other requests' trees in one forward."""
@@ -272,11 +348,13 @@ class StepScheduler:
         try:
             by_member: dict[tuple, list[_Call]] = {}
             for c in calls:
-                by_member.setdefault((id(c.member), c.tree is None), []).append(c)
+                by_member.setdefault((id(c.member), c.kind), []).append(c)
             for group in by_member.values():
                 try:
-                    if group[0].tree is None:
+                    if group[0].kind == "step":
                         run_step(group[0].member, group)
+                    elif group[0].kind == "prefill":
+                        run_prefills(group[0].member, group)
                     else:  # smc's trees: one forward for all of them
                         outs = group[0].member.rows_many([c.tree for c in group], [c.tally for c in group])
                         for c, out in zip(group, outs):

@@ -252,11 +252,14 @@ class Member(TokenizerView):
         262k vocabulary, every position's logits would cost 1 MB and a full lm_head product)."""
         if not ids:
             raise ValueError("extend() needs at least one token id")
-        if len(ids) == 1 and SCHEDULER.batching():  # other requests run: one forward for all their steps
-            check = getattr(_GUARD, "check", None)
+        prompt = len(ids) > 1 and last_only and not state.ids and state.group is None
+        if (state.ids or len(ids) == 1 or prompt) and SCHEDULER.batching():  # other requests run: one
+            check = getattr(_GUARD, "check", None)  # forward for all their extends (or their prompts)
             if check is not None:
                 check()
-            return SCHEDULER.extend(self, state, ids[0], current_tally())
+            if prompt:
+                return SCHEDULER.prefill(self, state, ids, current_tally())
+            return SCHEDULER.extend(self, state, list(ids), current_tally(), last_only)
         self._own(state)
         return self._extend_own(state, ids, last_only)
 
