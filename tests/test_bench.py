@@ -70,6 +70,7 @@ def test_bad_bench_arguments_are_named(tmp_path, tiny_dirs):
         load_task(bad, 5)
 
 
+@pytest.mark.slow
 def test_run_writes_table_json_and_plots(tiny_dirs, tmp_path):
     models = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     specs = parse_methods(["single", "safe", "smc:n_particles=2"], 2)

@@ -104,10 +104,11 @@ def test_a_required_recursive_field_is_required_at_every_depth_and_null_at_the_b
 
 
 # ---- every method, tiny models, tight budgets ---------------------------------------------------
-METHODS = TINY_METHODS
+# smc's cases are the slowest (about 20 s): the full run keeps them, the fast tier skips them
+METHODS = [pytest.param((m, c), id=m, marks=[pytest.mark.slow] if m == "smc" else []) for m, c in TINY_METHODS]
 
 
-@pytest.fixture(scope="module", params=METHODS, ids=[m for m, _ in METHODS])
+@pytest.fixture(scope="module", params=METHODS)
 def engine(request, tiny_dirs):
     method, config = request.param
     members = tiny_pair_for(method, tiny_dirs)

@@ -52,6 +52,7 @@ def test_as_question():
     assert as_question("The capital of Japan is") == "What is the capital of Japan?"
 
 
+@pytest.mark.slow
 def test_auto_weights_cached_and_main_member_rules(tiny_dirs, tmp_path):
     pair = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     eng = Ensemble(pair, method="unite", cache_dir=tmp_path)

@@ -94,7 +94,7 @@ def is_int8(weight) -> bool:
 
 
 @needs_torchao
-@pytest.mark.parametrize("kind", ["smol", "gemma"])
+@pytest.mark.parametrize("kind", ["smol", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_int8_member_is_quantized_and_close_to_fp32(tiny_dirs, kind):
     folder = tiny_dirs[kind]
     whole = load_member(folder, device="cpu")

@@ -274,6 +274,7 @@ def engine(tiny_dirs):
     )
 
 
+@pytest.mark.slow
 def test_end_to_end_stats_stream_and_seed(engine):
     res = engine.generate("Tell me about the sea.", max_new_tokens=8)
     st = res.stats
