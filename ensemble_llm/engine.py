@@ -1,7 +1,7 @@
 """`Ensemble` (floor 4): owns the members and one method; generate / stream / agenerate / astream.
 
 Requests are checked before anything is queued (requests.py), run up to `max_batch` at once on
-the worker's threads (worker.py; their one-token forwards share batched steps, their KV caches
+the worker's threads (worker.py; their member forwards share batched steps, their KV caches
 within `kv_budget`: kvbudget.py) and reach their callers through a stream (streams.py). Each request is
 a pipeline of named steps (pipeline.py): every member's prompt, this request's member weights
 (evidence.py), the method's run under the stop matcher and the tool-markup filter, the tool
@@ -68,7 +68,7 @@ class Ensemble:
         config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype / name.
-    max_batch: requests run at once, one-token forwards batched per member ("auto": 8 CPU, 32 CUDA).
+    max_batch: requests run at once, their forwards batched per member ("auto": 8 CPU, 32 CUDA).
     kv_budget: KV-cache bytes the running requests may hold per device, others wait (kvbudget.py).
     Weights load on first use (or `load()`), once per process for the same model and device.
     """

@@ -1,6 +1,6 @@
 """The engine's worker: threads that run queued requests, up to `max_batch` at once (in order of
 arrival), each request on its own KV caches, so concurrent callers (threads or asyncio tasks)
-never corrupt a cache or interleave output; their one-token forwards share batched steps. A
+never corrupt a cache or interleave output; their member forwards share batched steps. A
 request's internal fault (GenerationError) is retried up to `max_retries` times under the same
 deadline, unless a stream already showed text; every failure reaches its caller through the sink
 and the worker lives on."""
@@ -24,12 +24,12 @@ Execute = Callable[[Job, Callable[[str], None], threading.Event], GenerationResu
 
 class Worker:
     """Runs `execute(job, emit, cancel)` for each submitted job, up to `max_batch` jobs at once,
-    each on a thread of its own (their one-token member forwards are batched into shared steps:
+    each on a thread of its own (their member forwards, extends and prompts, are batched into shared steps:
     members/batching.py); `load()` runs first (outside the forward guard, so a short timeout
     cannot cut loading off midway)."""
 
     def __init__(self, execute: Execute, load: Callable[[], object], max_batch: int = 1, steps: bool = True) -> None:
-        # steps: the requests' one-token forwards join the shared steps (False for members in Ray
+        # steps: the requests' forwards join the shared steps (False for members in Ray
         # actors, whose forwards never reach the step scheduler: others must not wait for them)
         self._execute, self._load, self.max_batch, self._steps = execute, load, max_batch, steps
         self._jobs: "queue.Queue" = queue.Queue()

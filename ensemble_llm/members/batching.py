@@ -266,7 +266,7 @@ def run_step(member: Any, calls: list[_Call]) -> None:
 
 
 class StepScheduler:
-    """Gathers the one-token extends of concurrent request threads into steps (see the module)."""
+    """Gathers the extends, prompts and smc trees of concurrent request threads into steps (see the module)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -279,7 +279,7 @@ class StepScheduler:
 
     @contextlib.contextmanager
     def request(self):
-        """The calling thread runs one request: its one-token extends may be batched."""
+        """The calling thread runs one request: its extends and prompts may be batched."""
         with self._cond:
             self._active += 1
         self._local.on = True

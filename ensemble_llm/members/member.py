@@ -235,7 +235,7 @@ class Member(TokenizerView):
 
     def _own(self, state: KVState) -> None:
         """Take `state` out of its batching group (its cache becomes its own) before a forward or
-        change that is not a one-token step."""
+        change that is not a batched step."""
         if state.group is not None:
             with self._lock:
                 if state.group is not None:

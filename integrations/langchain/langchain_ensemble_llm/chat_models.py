@@ -148,7 +148,7 @@ class EnsembleLLM(BaseChatModel):
     member_resources: Any = None
     """placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}."""
     max_batch: Any = "auto"
-    """Requests run at once, their one-token forwards batched per member ("auto": 8 on CPU, 32 on CUDA, 1 on Ray)."""
+    """Requests run at once, their forwards batched per member ("auto": 8 on CPU, 32 on CUDA, 1 on Ray)."""
     kv_budget: Any = "auto"
     """KV-cache bytes the running requests may hold per device; others wait, one that never fits is refused
     ("auto": 90% of free GPU memory, half the free RAM; "2GB"; None: no limit)."""

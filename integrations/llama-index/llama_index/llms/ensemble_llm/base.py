@@ -149,8 +149,7 @@ class EnsembleLLM(FunctionCallingLLM):
     max_batch: Any = Field(
         default="auto",
         description=(
-            "Requests run at once, their one-token forwards batched per member "
-            '("auto": 8 on CPU, 32 on CUDA, 1 on Ray).'
+            'Requests run at once, their forwards batched per member ("auto": 8 on CPU, 32 on CUDA, 1 on Ray).'
         ),
     )
     kv_budget: Any = Field(
