@@ -158,6 +158,11 @@ class KVBudget:
                 self._running.remove(res)
                 self._cond.notify_all()
 
+    def limits(self) -> dict[str, int]:
+        """The limit per device fixed so far (a device's is fixed at its first request)."""
+        with self._cond:
+            return dict(self._limits)
+
     def in_use(self) -> dict[str, int]:
         """The bound of the running requests per device, in bytes (for stats)."""
         with self._cond:

@@ -3,8 +3,9 @@
 Endpoints: POST /v1/chat/completions (messages with tools and tool calls, `tools`/`tool_choice`,
 `response_format`, `stop`, `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `seed`,
 `stream` with `stream_options.include_usage`), POST /v1/completions (raw prompts), GET /v1/models,
-GET /health, GET /metrics (Prometheus). Errors are OpenAI-shaped, `{"error": {"message", "type",
-"param", "code"}}`: 400 for a bad parameter (named) or a prompt over the context window, 401
+GET /health, GET /metrics (Prometheus, with the KV budget per device). Errors are OpenAI-shaped,
+`{"error": {"message", "type", "param", "code"}}`: 400 for a bad parameter (named), a prompt over
+the context window or a request whose KV cache could never fit the KV budget, 401
 without the API key when one is set, 429 when the queue is full, 504 on a timeout (the body's
 `timeout`, seconds), 500 only for a fault inside generation (the engine keeps serving). A
 client that disconnects cancels its request: no further forward pass runs for it. Every reply
@@ -218,6 +219,16 @@ class Server:
         self.seconds = Histogram(
             "ensemble_request_seconds", "Request time by method", ["method"], registry=self.registry
         )
+        kv = "KV-cache bytes per device: the kv_budget limit, and the bound the running requests reserve"
+        self.kv_limit = Gauge("ensemble_kv_budget_bytes", kv, ["device"], registry=self.registry)
+        self.kv_reserved = Gauge("ensemble_kv_reserved_bytes", kv, ["device"], registry=self.registry)
+
+    def kv_figures(self) -> None:
+        """The KV budget's figures into the gauges (read at each /metrics scrape)."""
+        used = self.engine.kv_budget.in_use()
+        for device, limit in self.engine.kv_budget.limits().items():
+            self.kv_limit.labels(device).set(limit)
+            self.kv_reserved.labels(device).set(used.get(device, 0))
 
     def admit(self) -> None:
         with self.lock:
@@ -394,6 +405,7 @@ def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int =
 
     @app.get("/metrics")
     async def metrics():
+        srv.kv_figures()
         return PlainTextResponse(generate_latest(srv.registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")

@@ -61,6 +61,10 @@ def test_models_health_and_metrics(server, client):
     client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     metrics = httpx.get(server + "/metrics").text
     assert "ensemble_requests_total" in metrics and "ensemble_queue_depth" in metrics
+    # the KV budget ("auto": half the free RAM here), and nothing reserved between requests
+    limit = [line for line in metrics.splitlines() if line.startswith('ensemble_kv_budget_bytes{device="cpu"}')]
+    assert limit and float(limit[0].split()[-1]) > 2**20, metrics
+    assert 'ensemble_kv_reserved_bytes{device="cpu"} 0.0' in metrics
 
 
 def test_chat_sync_stream_and_usage(client):
