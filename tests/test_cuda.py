@@ -1,5 +1,6 @@
 """CUDA paths (skipped without a GPU): every method in bf16 on the GPU, members split across
-devices, batched SMC rows on the GPU, and the bench recording the device."""
+devices, batched SMC rows on the GPU, concurrent requests batched on the GPU (with the KV
+budget's "auto" limit), and the bench recording the device."""
 
 from __future__ import annotations
 
@@ -84,3 +85,27 @@ def test_ray_members_on_the_gpu(tiny_dirs, method):
         assert res.text == ref.text and res.stats["bytes_moved"] > 0
     finally:
         clear_actors()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_concurrent_requests_batch_on_the_gpu(tiny_dirs, method):
+    """Continuous batching on CUDA (float32): four concurrent requests get the texts they get one at
+    a time, up to near-ties under different kernels (at most one of four may differ), with fewer
+    forwards than requests took part in; the "auto" KV budget is a share of the GPU's free memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    members = [tiny_dirs["smol"]] if method == "single" else [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    cfg = {"weights": None, "n_particles": 2} if method == "smc" else None if method == "single" else {"weights": None}
+    prompts = ["The capital of France is", "Write a haiku about rain.", "2+2=", "List three colors:"]
+    one = Ensemble(members, method, cfg, device="cuda", dtype="float32", max_batch=1)
+    many = Ensemble(members, method, cfg, device="cuda", dtype="float32", max_batch=4)
+    alone = [one.generate(p, max_new_tokens=16, raw=True).text for p in prompts]
+    before = sum(m.n_forward for m in many.members)
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: many.generate(p, max_new_tokens=16, raw=True), prompts))
+    assert sum(a == b.text for a, b in zip(alone, together)) >= 3
+    took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
+    assert sum(m.n_forward for m in many.members) - before < took_part
+    _, total = torch.cuda.mem_get_info(torch.device("cuda"))
+    limits = many.kv_budget.limits()
+    assert limits and all(0 < v <= total for v in limits.values()), limits

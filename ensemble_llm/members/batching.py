@@ -152,14 +152,15 @@ class RowGroup:
         m, b, w = self.member, len(self.rows), self.width
         dev = m.device
         t = max(len(c.new) for c in calls)
-        tokens = torch.zeros(b, t, dtype=torch.long, device=dev)
-        fresh = torch.zeros(b, t, dtype=torch.bool, device=dev)
-        qpos = torch.full((b, t), -1, dtype=torch.long, device=dev)
+        tokens = torch.zeros(b, t, dtype=torch.long)  # built on the CPU, moved once (a GPU step: 3 copies)
+        fresh = torch.zeros(b, t, dtype=torch.bool)
+        qpos = torch.full((b, t), -1, dtype=torch.long)
         for c in calls:
             r, n, start = c.state.row, len(c.new), len(c.state.ids)
-            tokens[r, t - n :] = torch.tensor(c.new, dtype=torch.long, device=dev)
+            tokens[r, t - n :] = torch.tensor(c.new, dtype=torch.long)
             fresh[r, t - n :] = True
-            qpos[r, t - n :] = torch.arange(start, start + n, device=dev)
+            qpos[r, t - n :] = torch.arange(start, start + n)
+        tokens, fresh, qpos = tokens.to(dev), fresh.to(dev), qpos.to(dev)
         valid, pos = torch.cat([self.valid, fresh], dim=1), torch.cat([self.pos, qpos], dim=1)
         # query (r, j) sees row r's past columns and its own new ones up to j; a hole sees only itself
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
@@ -197,11 +198,12 @@ def run_prefills(member: Any, calls: list[_Call]) -> None:
             c.result = member._extend_own(c.state, c.ids, last_only=True, tally=c.tally)
             return
         dev, width = member.device, max(len(c.ids) for c in calls)
-        tokens = torch.zeros(len(calls), width, dtype=torch.long, device=dev)
-        valid = torch.zeros(len(calls), width, dtype=torch.bool, device=dev)
+        tokens = torch.zeros(len(calls), width, dtype=torch.long)
+        valid = torch.zeros(len(calls), width, dtype=torch.bool)
         for r, c in enumerate(calls):
-            tokens[r, width - len(c.ids) :] = torch.tensor(c.ids, dtype=torch.long, device=dev)
+            tokens[r, width - len(c.ids) :] = torch.tensor(c.ids, dtype=torch.long)
             valid[r, width - len(c.ids) :] = True
+        tokens, valid = tokens.to(dev), valid.to(dev)
         pos = valid.long().cumsum(-1) - 1
         cache = DynamicCache()
         logits = member._forward(
