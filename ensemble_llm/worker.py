@@ -34,23 +34,24 @@ class Worker:
         self._execute, self._load, self.max_batch, self._steps = execute, load, max_batch, steps
         self._jobs: "queue.Queue" = queue.Queue()
         self._threads: list[threading.Thread] = []
-        self._idle = 0  # threads waiting for a job
+        self._busy = 0  # jobs taken by a thread and not finished
         self._lock = threading.Lock()
 
     def submit(self, job: Job, sink: Sink, cancel: threading.Event) -> None:
         with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            if self._idle == 0 and len(self._threads) < self.max_batch:
+            self._threads = [t for t in self._threads if t.is_alive()]  # live threads only
+            wanted = min(self.max_batch, self._busy + self._jobs.qsize() + 1)  # jobs taken or waiting, this one too
+            if len(self._threads) < wanted:
                 thread = threading.Thread(target=self._work, name="ensemble-llm-worker", daemon=True)
                 self._threads.append(thread)
-                self._idle += 1
                 thread.start()
-            self._idle -= 1  # a thread is taken by this job (the count may dip below 0 while jobs queue)
         self._jobs.put((job, sink, cancel))
 
     def _work(self) -> None:
         while True:
             job, sink, cancel = self._jobs.get()
+            with self._lock:
+                self._busy += 1
             try:
                 if cancel.is_set():
                     continue
@@ -58,9 +59,14 @@ class Worker:
                     sink("done", self.attempts(job, sink, cancel))
                 except EnsembleError as exc:
                     sink("error", exc)
+                except BaseException as exc:  # SystemExit, KeyboardInterrupt: the caller hears of it, the thread ends
+                    with self._lock:  # no longer counted: the next job gets a new thread
+                        self._threads.remove(threading.current_thread())
+                    sink("error", GenerationError(f"generation stopped: {type(exc).__name__}: {exc}"))
+                    raise
             finally:
                 with self._lock:
-                    self._idle += 1
+                    self._busy -= 1
 
     def attempts(self, job: Job, sink: Sink, cancel: threading.Event) -> GenerationResult:
         """Run the request; an internal fault (GenerationError) is retried up to

@@ -257,6 +257,40 @@ def test_timeout_counts_the_time_waiting_in_the_queue(tiny_dirs):
     assert engine.generate("hi", max_new_tokens=2).finish_reason in ("stop", "length")
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's end, on purpose
+def test_a_job_that_kills_its_worker_thread_fails_alone_and_a_new_thread_serves(tiny_dirs, monkeypatch):
+    """A SystemExit inside a request (a library calling sys.exit, say) ends its worker thread: its
+    caller gets a GenerationError instead of waiting forever, and the next request gets a new
+    thread (max_batch=1: the dead one is not counted)."""
+    import threading
+
+    from ensemble_llm import GenerationError
+
+    engine = Ensemble([tiny_dirs["smol"]], method="single", max_batch=1).load()
+    run, calls = engine._method.run, []
+
+    def dies_once(req):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemExit("bye")
+        return run(req)
+
+    monkeypatch.setattr(engine._method, "run", dies_once)
+    out = {}
+
+    def first():
+        try:
+            engine.generate("hi", max_new_tokens=2)
+        except GenerationError as exc:
+            out["error"] = str(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    t.join(60)
+    assert "SystemExit" in out.get("error", ""), out  # not a hang
+    assert engine.generate("hi", max_new_tokens=2).finish_reason in ("stop", "length")
+
+
 def test_budget_never_ends_in_a_replacement_character(engine):
     """Reliability D12: a character cut by max_new_tokens is dropped, not shown as U+FFFD."""
     for n in range(1, 6):
