@@ -34,14 +34,16 @@ class Worker:
         self._execute, self._load, self.max_batch, self._steps = execute, load, max_batch, steps
         self._jobs: "queue.Queue" = queue.Queue()
         self._threads: list[threading.Thread] = []
-        self._busy = 0  # jobs taken by a thread and not finished
+        self._open = 0  # jobs submitted and not finished (counted at submit: a job a thread has just
+        # taken from the queue is neither queued nor busy yet, and counting those two let a burst
+        # of requests get fewer threads than requests: the last ones waited for a thread to finish)
         self._lock = threading.Lock()
 
     def submit(self, job: Job, sink: Sink, cancel: threading.Event) -> None:
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]  # live threads only
-            wanted = min(self.max_batch, self._busy + self._jobs.qsize() + 1)  # jobs taken or waiting, this one too
-            if len(self._threads) < wanted:
+            self._open += 1
+            if len(self._threads) < min(self.max_batch, self._open):
                 thread = threading.Thread(target=self._work, name="ensemble-llm-worker", daemon=True)
                 self._threads.append(thread)
                 thread.start()
@@ -50,8 +52,6 @@ class Worker:
     def _work(self) -> None:
         while True:
             job, sink, cancel = self._jobs.get()
-            with self._lock:
-                self._busy += 1
             try:
                 if cancel.is_set():
                     continue
@@ -66,7 +66,7 @@ class Worker:
                     raise
             finally:
                 with self._lock:
-                    self._busy -= 1
+                    self._open -= 1
 
     def attempts(self, job: Job, sink: Sink, cancel: threading.Event) -> GenerationResult:
         """Run the request; an internal fault (GenerationError) is retried up to
