@@ -77,6 +77,45 @@ def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_member
 
 
 @pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)
+def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, key):
+    """specfuse's score_inline joined to a step beside a plain extend: each row's candidates get the
+    logits of that row's own scoring forward; keeping one candidate (or none) leaves the row as its
+    own cache would be, and the steps after it match too, in the same group."""
+    m = tiny_members[key]
+    states = [_state(m, n, i) for i, n in enumerate((7, 12, 10))]
+    alone = [_copy(m, s) for s in states]
+    run_step(m, [_Call(m, s, 5 + i, None) for i, s in enumerate(states)])  # into one group
+    for i, a in enumerate(alone):
+        m.extend(a, [5 + i])
+    group = states[0].group
+    cands = {0: [[21, 22, 23], [24, 25]], 2: [[26], [27, 28, 29, 30], [31, 32]]}
+    calls = [_Call(m, states[i], -1, None, cands=c) for i, c in cands.items()] + [_Call(m, states[1], 40, None)]
+    run_step(m, calls)
+    m.extend(alone[1], [40])
+    for c, (i, cs) in zip(calls, cands.items()):
+        want = m._score_own(alone[i], cs)
+        torch.testing.assert_close(c.result.float(), want.float(), atol=1e-4, rtol=1e-4)
+        starts = [sum(len(x) for x in cs[:k]) for k in range(len(cs))]
+        states[i].scored = (len(states[i].ids), starts, cs, c.result)  # what score_inline records
+        alone[i].scored = (len(alone[i].ids), starts, cs, want)
+    m.keep_candidate(states[0], 1)  # the second candidate becomes the continuation
+    m.keep_candidate(alone[0], 1)
+    m.drop_candidates(states[2])
+    m.drop_candidates(alone[2])
+    assert states[0].ids == alone[0].ids and states[2].ids == alone[2].ids
+    torch.testing.assert_close(states[0].next_logprobs, alone[0].next_logprobs, atol=1e-4, rtol=1e-4)
+    for k in range(10):  # past gemma's window, all three in the group
+        run_step(m, [_Call(m, s, 60 + k + i, None) for i, s in enumerate(states)])
+        for i, a in enumerate(alone):
+            m.extend(a, [60 + k + i])
+    assert all(s.group is group for s in states)
+    for s, a in zip(states, alone):
+        assert s.ids == a.ids
+        torch.testing.assert_close(s.next_logprobs, a.next_logprobs, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(m.kv_tensor(s), m.kv_tensor(a), atol=1e-4)
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)
 def test_steps_in_a_group_match_each_rows_own_forwards(tiny_members, key):
     m = tiny_members[key]
     states = [_state(m, n, i) for i, n in enumerate((5, 13, 9))]
@@ -141,6 +180,23 @@ def test_a_worn_group_is_rebuilt_from_its_live_rows(tiny_members):
     for s in states:
         alone = m.prefill(list(s.ids))
         torch.testing.assert_close(s.next_logprobs, alone.next_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_finished_requests_row_is_freed_at_the_next_step(tiny_members):
+    """A dead row (its request finished) leaves the group's tensors before the next step, the other
+    rows moving up without leaving the group: what the KV budget's bound counts on."""
+    m = tiny_members["smol"]
+    states = [_state(m, n, i) for i, n in enumerate((4, 9, 6))]
+    run_step(m, [_Call(m, s, 5, None) for s in states])
+    group = states[0].group
+    del states[1]  # its request finished: nothing refers to the state any more
+    run_step(m, [_Call(m, s, 8, None) for s in states])
+    assert all(s.group is group for s in states) and [s.row for s in states] == [0, 1]
+    assert all(layer.keys.shape[0] == 2 for layer in group.cache.layers) and group.valid.shape[0] == 2
+    for s in states:
+        alone = m.prefill(list(s.ids))
+        torch.testing.assert_close(s.next_logprobs, alone.next_logprobs, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(m.kv_tensor(s), m.kv_tensor(alone), atol=1e-5)
 
 
 METHODS = TINY_METHODS

@@ -18,9 +18,12 @@ its columns copied into a cache of its own). Each row sees only its own columns 
 position ids, through a 4-D mask (sliding-window layers get a mask of their own), so a batched
 step computes what the row's own forward would, up to float rounding.
 
-Not batched: specfuse's in-line scoring (`score_inline`, a block mask of its own), the prompt
-scoring of per-request weights (`score_prompt`), and members in Ray actors; they run one request
-at a time per member (under the member's lock), between the steps.
+specfuse's in-line scoring joins the steps too: its candidates are new columns of the row like an
+extend's, each candidate a run that sees the row and itself only (`_Call.segments`); keeping one
+candidate afterwards makes the others' columns holes (`RowGroup.keep`).
+
+Not batched: the prompt scoring of per-request weights (`score_prompt`) and members in Ray
+actors; they run one request at a time per member (under the member's lock), between the steps.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ import torch
 from transformers import DynamicCache
 
 GATHER_S = 0.02  # how long waiting requests wait for one that is still computing before stepping without it
+MAX_DEFER = (
+    3  # steps an extend or tree may be passed over for a larger group of another member (see StepScheduler._take)
+)
 SLACK = 64  # a group is rebuilt once its width passes twice its longest row plus this many columns
 
 
@@ -56,7 +62,7 @@ class Tally:
         return n, t, p
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     member: Any
     state: Any
@@ -69,10 +75,20 @@ class _Call:
     tree: tuple | None = None  # a forward_rows call (smc): (prefix_kv, paths, tokens); then no state/token
     ids: list[int] | None = None  # a prompt's prefill into an empty state (then no token)
     last_only: bool = False  # an extend's log-probs of its last token only
+    cands: list[list[int]] | None = None  # a score_inline call: candidates side by side (then no token)
+    deferred: int = 0  # steps that passed this call over (`StepScheduler._take`)
 
     @property
     def new(self) -> list[int]:
+        """The tokens this call appends as new columns (a scoring call: every candidate's)."""
+        if self.cands is not None:
+            return [t for c in self.cands for t in c]
         return [int(self.token)] if isinstance(self.token, int) else [int(t) for t in self.token]
+
+    @property
+    def segments(self) -> list[list[int]]:
+        """Runs of new tokens that see each other (causally); a candidate does not see the others."""
+        return self.cands if self.cands is not None else [self.new]
 
     @property
     def kind(self) -> str:
@@ -121,11 +137,28 @@ class RowGroup:
         return [s for s in (r() for r in self.rows if r is not None) if s is not None]
 
     def worn(self, columns: int = 1) -> bool:
-        """Too many dead rows, or too wide to take `columns` more (over twice the longest row plus
-        SLACK: the bound kvbudget.py counts on): rebuild from the live rows."""
-        live = self.live()
-        longest = max((len(s.ids) for s in live), default=0)
-        return len(live) * 2 < len(self.rows) or self.width + columns > 2 * longest + SLACK
+        """Too wide to take `columns` more (over twice the longest row plus SLACK: the bound
+        kvbudget.py counts on): rebuild from the live rows."""
+        longest = max((len(s.ids) for s in self.live()), default=0)
+        return self.width + columns > 2 * longest + SLACK
+
+    def compact(self) -> None:
+        """Drop the dead rows (a finished request's, a released state's): the live rows are copied
+        into new tensors, so a dead row's memory is freed before the next step (the bound kvbudget.py
+        counts on covers the running requests only). Called under the member's lock."""
+        keep = [r for r, ref in enumerate(self.rows) if ref is not None and ref() is not None]
+        if len(keep) == len(self.rows):
+            return
+        states = [self.rows[r]() for r in keep]
+        idx = torch.tensor(keep, dtype=torch.long)
+        for layer in self.cache.layers:
+            i = idx.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(0, i), layer.values.index_select(0, i)
+        i = idx.to(self.valid.device)
+        self.valid, self.pos = self.valid.index_select(0, i), self.pos.index_select(0, i)
+        self.rows = [weakref.ref(s) for s in states]
+        for r, s in enumerate(states):
+            s.row = r
 
     def release(self, state: Any) -> None:
         """Take `state` out of the group: its columns become a cache of its own."""
@@ -138,6 +171,15 @@ class RowGroup:
         state.cache = DynamicCache(ddp_cache_data=data) if len(cols) else DynamicCache()
         self.rows[r] = None
         state.group, state.row = None, -1
+
+    def keep(self, state: Any, s: int, n: int, total: int) -> None:
+        """Of the `total` candidate columns a scoring step left at the end of row `state`, keep
+        those from s to s + n (the chosen candidate's); the others become holes."""
+        r = state.row
+        cols = self.valid[r].nonzero()[:, 0][-total:]
+        gone = torch.cat([cols[:s], cols[s + n :]])
+        self.valid[r, gone] = False
+        self.pos[r, gone] = -1
 
     def crop(self, state: Any, n: int) -> None:
         """Row `state` keeps its first n tokens: the later columns become holes."""
@@ -152,19 +194,24 @@ class RowGroup:
         m, b, w = self.member, len(self.rows), self.width
         dev = m.device
         t = max(len(c.new) for c in calls)
-        tokens = torch.zeros(b, t, dtype=torch.long)  # built on the CPU, moved once (a GPU step: 3 copies)
+        tokens = torch.zeros(b, t, dtype=torch.long)  # built on the CPU, moved once (a GPU step: 4 copies)
         fresh = torch.zeros(b, t, dtype=torch.bool)
         qpos = torch.full((b, t), -1, dtype=torch.long)
+        seg = torch.full((b, t), -1, dtype=torch.long)  # which run of the row's new tokens a column holds
         for c in calls:
-            r, n, start = c.state.row, len(c.new), len(c.state.ids)
-            tokens[r, t - n :] = torch.tensor(c.new, dtype=torch.long)
-            fresh[r, t - n :] = True
-            qpos[r, t - n :] = torch.arange(start, start + n)
-        tokens, fresh, qpos = tokens.to(dev), fresh.to(dev), qpos.to(dev)
+            r, j, start = c.state.row, t - len(c.new), len(c.state.ids)
+            tokens[r, j:] = torch.tensor(c.new, dtype=torch.long)
+            fresh[r, j:] = True
+            for k, run in enumerate(c.segments):
+                qpos[r, j : j + len(run)] = torch.arange(start, start + len(run))
+                seg[r, j : j + len(run)] = k
+                j += len(run)
+        tokens, fresh, qpos, seg = tokens.to(dev), fresh.to(dev), qpos.to(dev), seg.to(dev)
         valid, pos = torch.cat([self.valid, fresh], dim=1), torch.cat([self.pos, qpos], dim=1)
-        # query (r, j) sees row r's past columns and its own new ones up to j; a hole sees only itself
+        # query (r, i) sees row r's past columns and the new ones of its own run up to i; a hole sees only itself
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        seen = torch.cat([self.valid[:, None, :].expand(b, t, w), fresh[:, None, :] & causal], dim=2)
+        runs = (seg[:, :, None] == seg[:, None, :]) & fresh[:, None, :] & causal
+        seen = torch.cat([self.valid[:, None, :].expand(b, t, w), runs], dim=2)
         seen &= fresh[:, :, None]
         j = torch.arange(t, device=dev)
         seen[:, j, w + j] = True  # (a fully masked query gives NaN)
@@ -180,6 +227,9 @@ class RowGroup:
         )
         self.valid, self.pos = valid, pos
         for c in calls:
+            if c.cands is not None:  # a scoring call: its candidates' logits; their columns stay (see keep)
+                c.result = logits[c.state.row, keep - len(c.new) :].clone()
+                continue
             n = 1 if c.last_only else len(c.new)
             rows = logits[c.state.row, keep - n :].float()
             logp = torch.log_softmax(rows, dim=-1)
@@ -251,12 +301,17 @@ def run_step(member: Any, calls: list[_Call]) -> None:
         for c in alone:
             if c.state.group is not None:
                 c.state.group.release(c.state)
-            c.result = member._extend_own(c.state, c.new, last_only=c.last_only, tally=c.tally)
+            if c.cands is not None:
+                c.result = member._score_own(c.state, c.cands, tally=c.tally)
+            else:
+                c.result = member._extend_own(c.state, c.new, last_only=c.last_only, tally=c.tally)
         calls = [c for c in calls if c not in alone]
         if not calls:
             return
         states = [c.state for c in calls]
         group = states[0].group
+        if group is not None:
+            group.compact()
         columns = max(len(c.new) for c in calls)
         if group is None or any(s.group is not group for s in states) or group.worn(columns):
             for s in states:
@@ -318,6 +373,12 @@ class StepScheduler:
         member (log-probs [len(ids), V], or [1, V] with `last_only`)."""
         return self._wait(_Call(member, state, [int(i) for i in ids], tally, last_only=last_only))
 
+    def score(self, member: Any, state: Any, cands: list[list[int]], tally: Tally | None) -> torch.Tensor:
+        """specfuse's in-line scoring in the next step, with the other requests' extends of this
+        member: the candidates side by side after the row, each seeing the row and itself only.
+        Raw logits [total, V]; the candidates' columns stay until keep_candidate / drop_candidates."""
+        return self._wait(_Call(member, state, -1, tally, cands=cands))
+
     def prefill(self, member: Any, state: Any, ids: list[int], tally: Tally | None) -> torch.Tensor:
         """A prompt into the empty `state`, run with the other requests' prompts in one forward
         (log-probs of the last position, [1, V])."""
@@ -343,9 +404,32 @@ class StepScheduler:
             raise call.error
         return call.result
 
+    def _take(self) -> list[_Call]:
+        """The calls the next step runs: the prompts, and of the extends and trees only the largest
+        group (one member's), with any call passed over MAX_DEFER times. Running every group each
+        step would keep requests out of phase for good: in unite, half the requests waiting on one
+        member and half on the other make two half-full forwards per step, forever. Passing the
+        smaller group over once lets its requests fall in behind the others (the requests that just
+        stepped move on to that member), and from then on each forward has every row."""
+        groups: dict[tuple, list[_Call]] = {}
+        for c in self._pending:
+            groups.setdefault((id(c.member), c.kind), []).append(c)
+        best = max(groups.values(), key=lambda g: (len(g), -min(c.since for c in g)))
+        take = [
+            c
+            for g in groups.values()
+            if g is best or g[0].kind == "prefill" or any(c.deferred >= MAX_DEFER for c in g)
+            for c in g
+        ]
+        taken = {id(c) for c in take}
+        self._pending = [c for c in self._pending if id(c) not in taken]
+        for c in self._pending:
+            c.deferred += 1
+        return take
+
     def _step(self) -> None:
-        """Run every pending call (called with the lock held; released during the forwards)."""
-        calls, self._pending, self._stepping = self._pending, [], True
+        """Run the calls `_take` chooses (called with the lock held; released during the forwards)."""
+        calls, self._stepping = self._take(), True
         self._cond.release()
         try:
             by_member: dict[tuple, list[_Call]] = {}

@@ -39,6 +39,13 @@ def forward_guard(check, tally: Tally | None = None):
         _GUARD.check, _GUARD.tally = previous
 
 
+def _check_guard() -> None:
+    """Run this thread's forward guard (deadline, cancellation), if it has one."""
+    check = getattr(_GUARD, "check", None)
+    if check is not None:
+        check()
+
+
 def current_guard():
     """The check `forward_guard` installed for this thread (None outside a request): threads that
     run part of a request (parallel drafts, remote waits) install the same one."""
@@ -214,9 +221,7 @@ class Member(TokenizerView):
         """One forward pass; a batched step passes the `tallies` of its requests (their own
         guards ran before they joined it), any other forward runs under this thread's guard."""
         if tallies is None:
-            check = getattr(_GUARD, "check", None)
-            if check is not None:
-                check()
+            _check_guard()
             with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
                 return self._forward([current_tally()], **kw)
         with self._lock:
@@ -254,9 +259,8 @@ class Member(TokenizerView):
             raise ValueError("extend() needs at least one token id")
         prompt = len(ids) > 1 and last_only and not state.ids and state.group is None
         if (state.ids or len(ids) == 1 or prompt) and SCHEDULER.batching():  # other requests run: one
-            check = getattr(_GUARD, "check", None)  # forward for all their extends (or their prompts)
-            if check is not None:
-                check()
+            _check_guard()  # forward for all their extends (or their prompts)
+            self.drop_candidates(state)
             if prompt:
                 return SCHEDULER.prefill(self, state, ids, current_tally())
             return SCHEDULER.extend(self, state, list(ids), current_tally(), last_only)
@@ -413,9 +417,7 @@ class Member(TokenizerView):
         if not tokens or len(paths) != len(tokens):
             raise ValueError("forward_rows needs one path per token and at least one token")
         if SCHEDULER.batching():
-            check = getattr(_GUARD, "check", None)
-            if check is not None:
-                check()
+            _check_guard()
             return SCHEDULER.rows(self, (prefix_kv, paths, tokens), current_tally())
         return self.rows_many([(prefix_kv, paths, tokens)])[0]
 
@@ -493,43 +495,51 @@ class Member(TokenizerView):
             raise ValueError("score_inline needs non-empty candidates")
         self.drop_candidates(state)
         first_lp = self.ensure_next(state)
-        self._own(state)
-        p = len(state.ids)
-        total = sum(len(c) for c in candidates)
-        flat = [t for c in candidates for t in c]
-        pos, starts = [], []
-        for c in candidates:
-            starts.append(len(pos))
-            pos.extend(range(p, p + len(c)))
-        neg = torch.finfo(self.dtype).min
-        mask = torch.full((total, p + total), neg, dtype=self.dtype, device=self.device)
-        mask[:, :p] = 0.0
-        for s, c in zip(starts, candidates):
-            blk = torch.triu(torch.full((len(c), len(c)), neg, dtype=self.dtype, device=self.device), 1)
-            mask[s : s + len(c), p + s : p + s + len(c)] = blk
-        qpos = torch.tensor(pos, device=self.device)
-        attention_mask = self._layer_masks(mask, qpos, torch.cat([torch.arange(p, device=self.device), qpos]))
-        logits = self._forward(
-            input_ids=torch.tensor([flat], device=self.device),
-            attention_mask=attention_mask,
-            position_ids=torch.tensor([pos], device=self.device),
-            cache=state.cache,
-            use_cache=True,
-        )[0]
-        if keep:
-            state.scored = (p, starts, [list(c) for c in candidates], logits)
+        cands = [[int(t) for t in c] for c in candidates]
+        starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
+        if SCHEDULER.batching():  # with the other requests' steps of this member, in their group
+            _check_guard()
+            logits = SCHEDULER.score(self, state, cands, current_tally())
         else:
-            state.cache.crop(-total)
+            self._own(state)
+            logits = self._score_own(state, cands)
+        state.scored = (len(state.ids), starts, cands, logits)
+        if not keep:
+            self.drop_candidates(state)
         if raw_logits:
             logp, first_lp = logits.float(), state.next_logits
         else:
             logp = torch.log_softmax(logits.float(), dim=-1)
         out = []
-        for s, c in zip(starts, candidates):
-            ids = torch.tensor(list(c), device=self.device)
+        for s, c in zip(starts, cands):
+            ids = torch.tensor(c, device=self.device)
             rows = torch.cat([first_lp[None], logp[s : s + len(c) - 1]], dim=0)
             out.append(rows.gather(1, ids[:, None])[:, 0])
         return out
+
+    def _score_own(self, state: KVState, cands: list[list[int]], tally=None) -> torch.Tensor:
+        """The candidates after the state's own cache in one forward (block mask, positions
+        restarting at the context length); their KV stays in the cache. Logits [total, V]."""
+        p = len(state.ids)
+        total = sum(len(c) for c in cands)
+        pos = [q for c in cands for q in range(p, p + len(c))]
+        neg = torch.finfo(self.dtype).min
+        mask = torch.full((total, p + total), neg, dtype=self.dtype, device=self.device)
+        mask[:, :p] = 0.0
+        s = 0
+        for c in cands:
+            blk = torch.triu(torch.full((len(c), len(c)), neg, dtype=self.dtype, device=self.device), 1)
+            mask[s : s + len(c), p + s : p + s + len(c)] = blk
+            s += len(c)
+        qpos = torch.tensor(pos, device=self.device)
+        return self._forward(
+            None if tally is None else [tally],
+            input_ids=torch.tensor([[t for c in cands for t in c]], device=self.device),
+            attention_mask=self._layer_masks(mask, qpos, torch.cat([torch.arange(p, device=self.device), qpos])),
+            position_ids=qpos[None],
+            cache=state.cache,
+            use_cache=True,
+        )[0]
 
     def keep_candidate(self, state: KVState, index: int) -> None:
         """After score_inline(keep=True): the cache becomes context + candidate `index` (its KV
@@ -537,9 +547,13 @@ class Member(TokenizerView):
         after it, all from the scoring forward."""
         p, starts, cands, logits = state.scored
         s, n = starts[index], len(cands[index])
-        for layer in state.cache.layers:
-            layer.keys = torch.cat([layer.keys[:, :, :p], layer.keys[:, :, p + s : p + s + n]], dim=-2)
-            layer.values = torch.cat([layer.values[:, :, :p], layer.values[:, :, p + s : p + s + n]], dim=-2)
+        with self._lock:
+            if state.group is not None:  # the other candidates' columns become holes
+                state.group.keep(state, s, n, sum(len(c) for c in cands))
+            else:
+                for layer in state.cache.layers:
+                    layer.keys = torch.cat([layer.keys[:, :, :p], layer.keys[:, :, p + s : p + s + n]], dim=-2)
+                    layer.values = torch.cat([layer.values[:, :, :p], layer.values[:, :, p + s : p + s + n]], dim=-2)
         state.ids.extend(cands[index])
         state.next_logits = logits[s + n - 1].float()
         state.next_logprobs = torch.log_softmax(state.next_logits, dim=-1)
@@ -548,5 +562,10 @@ class Member(TokenizerView):
     def drop_candidates(self, state: KVState) -> None:
         """Remove the KV of candidates kept by score_inline(keep=True) (no-op otherwise)."""
         if state.scored is not None:
-            state.cache.crop(-sum(len(c) for c in state.scored[2]))
+            total = sum(len(c) for c in state.scored[2])
+            with self._lock:
+                if state.group is not None:
+                    state.group.keep(state, 0, 0, total)
+                else:
+                    state.cache.crop(-total)
             state.scored = None
