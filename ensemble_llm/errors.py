@@ -22,6 +22,20 @@ class ChecksumError(EnsembleError):
 class RequestError(EnsembleError, ValueError):
     """A bad generation request (empty prompt, prompt too long, bad sampling values...)."""
 
+    code: str | None = None  # the OpenAI-style error code the server answers with, where one fits
+
+
+class ContextLengthError(RequestError):
+    """A prompt that does not fit a member's context window."""
+
+    code = "context_length_exceeded"
+
+
+class KVBudgetError(RequestError):
+    """A request whose KV cache could never fit the engine's `kv_budget`, even alone."""
+
+    code = "kv_budget_exceeded"
+
 
 class GenerationError(EnsembleError, RuntimeError):
     """A failure inside generation; the engine stays usable after it."""

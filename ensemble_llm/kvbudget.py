@@ -9,7 +9,7 @@ is rebuilt (members/batching.py), so a set S of running requests holds at most
 not a batched group) hold at most prompt + particles x beam_width x max_new_tokens. The budget
 admits a request when that bound, with it added, fits every device's limit; otherwise it waits
 (first come, first served, while still under its deadline and not cancelled). A request that
-would not fit even alone is refused at once with a RequestError naming the sizes and the fixes
+would not fit even alone is refused at once with a KVBudgetError (a RequestError) naming the sizes and the fixes
 (the server answers 400; a full queue is its 429).
 
 `kv_budget`: "auto" (on CUDA 90% of the device memory free once the weights are loaded, on the
@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .errors import ConfigError, RequestError
+from .errors import ConfigError, KVBudgetError
 from .members.batching import SCHEDULER, SLACK
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -71,12 +71,6 @@ class Reservation:
     def __init__(self, parts: list[tuple[str, int, int, bool]]) -> None:
         self.parts = parts
         self.waited_s = 0.0
-
-    def alone(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for dev, per_token, units, _ in self.parts:
-            out[dev] = out.get(dev, 0) + per_token * units
-        return out
 
 
 class KVBudget:
@@ -131,9 +125,9 @@ class KVBudget:
         if self.value is None:
             yield res
             return
-        for dev, n in res.alone().items():
+        for dev, n in self.bound([res]).items():
             if self.limit(dev) is not None and n > self.limit(dev):
-                raise RequestError(
+                raise KVBudgetError(
                     f"this request's KV cache may reach {_mb(n)} on {dev} (prompt + max_new_tokens, every "
                     f"member), over the kv_budget of {_mb(self.limit(dev))}; lower max_new_tokens, shorten "
                     "the prompt, or raise kv_budget."

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .chat import chat_stops, member_messages, render_chat, with_preamble
-from .errors import RequestError
+from .errors import ContextLengthError
 from .evidence import request_weights
 from .guide import Guide
 from .kvbudget import KVBudget
@@ -82,7 +82,7 @@ def make_request(
     room = []
     for m, ids in zip(members, prompt_ids):
         if len(ids) >= m.context_window:
-            raise RequestError(
+            raise ContextLengthError(
                 f"the prompt is {len(ids)} tokens for {m.name}, whose context window is "
                 f"{m.context_window}; shorten the prompt or drop that member."
             )
@@ -126,7 +126,7 @@ def run_method(
         return _run(method, job, req, notes, stops, out, cancel)
     res = budget.plan(members, req.prompt_ids, req.max_new_tokens, method.kv_rows())
     with budget.hold(res, current_guard() or job.check_deadline):  # the request's deadline and cancel
-        notes["kv_reserved_bytes"], notes["kv_wait_s"] = sum(res.alone().values()), round(res.waited_s, 4)
+        notes["kv_reserved_bytes"], notes["kv_wait_s"] = sum(budget.bound([res]).values()), round(res.waited_s, 4)
         return _run(method, job, req, notes, stops, out, cancel)
 
 

@@ -130,9 +130,7 @@ def _from_engine_error(exc: EnsembleError) -> ApiError:
     if isinstance(exc, RequestTimeout):
         return ApiError(504, str(exc), "timeout_error", "timeout", "timeout")
     if isinstance(exc, RequestError):
-        code = "context_length_exceeded" if "context window" in str(exc) else None
-        code = "kv_budget_exceeded" if "kv_budget" in str(exc) else code
-        return ApiError(400, str(exc), "invalid_request_error", _param_of(str(exc)), code)
+        return ApiError(400, str(exc), "invalid_request_error", _param_of(str(exc)), exc.code)
     if isinstance(exc, RequestCancelled):
         return ApiError(499, str(exc), "cancelled")
     if isinstance(exc, GenerationError):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ensemble_llm import ConfigError, Ensemble, GenerationError, ModelNotFoundError, RequestError
+from ensemble_llm import ConfigError, ContextLengthError, Ensemble, GenerationError, ModelNotFoundError, RequestError
 from ensemble_llm.chat import BASE_PREAMBLE, render_chat
 from ensemble_llm.members import BUNDLED
 
@@ -194,7 +194,7 @@ def test_bad_requests(engine, kw, match):
 
 def test_prompt_longer_than_context_window(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol_short"]])
-    with pytest.raises(RequestError, match="context window is 64"):
+    with pytest.raises(ContextLengthError, match="context window is 64"):
         eng.generate("word " * 200)
     res = eng.generate("short", max_new_tokens=500)  # budget capped at the window, no crash
     assert res.finish_reason in ("length", "stop") and res.stats["tokens_out"] <= 64

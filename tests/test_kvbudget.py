@@ -10,7 +10,7 @@ import pytest
 from helpers import tiny_pair_for
 
 from ensemble_llm import Ensemble
-from ensemble_llm.errors import ConfigError, RequestError, RequestTimeout
+from ensemble_llm.errors import ConfigError, KVBudgetError, RequestError, RequestTimeout
 from ensemble_llm.kvbudget import KVBudget, Reservation, parse_budget
 from ensemble_llm.members import batching
 
@@ -35,7 +35,7 @@ def test_bound_pads_a_group_to_its_longest_row_and_adds_trees():
     b = Reservation([("cpu", 10, 30, True), ("cuda:0", 4, 80, True)])
     # member 0: two rows padded to 100 units; member 1: two rows padded to 80, counted on a's device
     assert KVBudget.bound([a, b]) == {"cpu": 10 * 2 * 100 + 4 * 2 * 80}
-    assert KVBudget.bound([a]) == a.alone() == {"cpu": 10 * 100 + 4 * 50}
+    assert KVBudget.bound([a]) == {"cpu": 10 * 100 + 4 * 50}
     t1, t2 = Reservation([("cpu", 10, 100, False)]), Reservation([("cpu", 10, 30, False)])
     assert KVBudget.bound([t1, t2]) == {"cpu": 10 * 130}  # token trees (smc) are not padded
 
@@ -75,7 +75,7 @@ def test_a_deadline_passes_while_waiting_and_the_engine_lives_on(tiny_dirs):
 def test_a_request_that_never_fits_is_refused_by_name(tiny_dirs):
     one = _one_bound(tiny_dirs)
     eng = Ensemble(tiny_pair_for("single", tiny_dirs), "single", kv_budget=2 * one).load()
-    with pytest.raises(RequestError, match="kv_budget.*lower max_new_tokens"):
+    with pytest.raises(KVBudgetError, match="kv_budget.*lower max_new_tokens"):
         eng.generate(PROMPT, max_new_tokens=1000)
     assert eng.generate(PROMPT, max_new_tokens=8).usage.completion_tokens > 0  # still usable
 

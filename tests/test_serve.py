@@ -162,20 +162,20 @@ def test_completions_raw_prompt(client):
 
 
 @pytest.mark.parametrize(
-    "kwargs, status, param",
+    "kwargs, status, param, code",
     [
-        ({"temperature": -1}, 400, "temperature"),
-        ({"max_tokens": 0}, 400, "max_tokens"),
-        ({"n": 2}, 400, "n"),
-        ({"extra_body": {"best_of": 3}}, 400, "best_of"),  # a field the server does not read
-        ({"messages": ["hi"]}, 400, "messages"),  # a message that is not an object
-        ({"extra_body": {"stream_options": "yes"}}, 400, "stream_options"),
-        ({"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
-        ({"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, None),
-        ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None),
+        ({"temperature": -1}, 400, "temperature", None),
+        ({"max_tokens": 0}, 400, "max_tokens", None),
+        ({"n": 2}, 400, "n", None),
+        ({"extra_body": {"best_of": 3}}, 400, "best_of", None),  # a field the server does not read
+        ({"messages": ["hi"]}, 400, "messages", None),  # a message that is not an object
+        ({"extra_body": {"stream_options": "yes"}}, 400, "stream_options", None),
+        ({"messages": [{"role": "user", "content": ""}]}, 400, "messages", None),
+        ({"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, None, None),
+        ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None, "context_length_exceeded"),
     ],
 )
-def test_bad_requests_are_400_naming_the_field(client, kwargs, status, param):
+def test_bad_requests_are_400_naming_the_field(client, kwargs, status, param, code):
     body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**body)
@@ -183,6 +183,7 @@ def test_bad_requests_are_400_naming_the_field(client, kwargs, status, param):
     assert info.value.status_code == status and err["message"]
     if param:
         assert err["param"] == param
+    assert err.get("code") == code
     # the server keeps serving
     assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
