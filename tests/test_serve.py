@@ -171,7 +171,12 @@ def test_completions_raw_prompt(client):
         ({"messages": ["hi"]}, 400, "messages", None),  # a message that is not an object
         ({"extra_body": {"stream_options": "yes"}}, 400, "stream_options", None),
         ({"messages": [{"role": "user", "content": ""}]}, 400, "messages", None),
-        ({"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}}, 400, None, None),
+        (
+            {"tool_choice": "get_weather", "tools": [WEATHER], "response_format": {"type": "json_object"}},
+            400,
+            None,
+            None,
+        ),
         ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, None, "context_length_exceeded"),
     ],
 )
