@@ -5,16 +5,19 @@ and the methods stay as they are: sequential code asking a member to `extend` a 
 `extend` from a request thread, of one token or several (safe's verifications, forced tokens), is
 not run at once: it waits in `SCHEDULER` for the step, and so does a prompt's prefill. A step runs
 when every running request is waiting in one (iteration-level scheduling, as in Orca: a request
-inside a forward of its own, such as specfuse's scoring, is not waited for, and one still doing
-Python work is waited for up to `GATHER_S`), and it is ONE forward per member and kind over all
-waiting calls: the extends, the prompts (left-padded, `run_prefills`), smc's trees.
+inside a forward of its own, such as the prompt scoring of per-request weights, is not waited
+for, and one still doing Python work is waited for up to `GATHER_S`). A step runs every waiting
+prompt (one left-padded forward per member, `run_prefills`) and, of the extends and smc's trees,
+ONE forward: the largest member's group, the others waiting for later steps (at most `MAX_DEFER`)
+so that the requests fall into phase (`StepScheduler._take`).
 
 The states of one member that step together live as rows of one batched cache (`RowGroup`), so
 a steady decode step copies nothing: each row's own tokens sit in its columns, right-aligned; a
 step adds as many columns as its longest extend, and the new columns a row does not fill are
 masked holes. A batched prefill's cache is already such a group. A crop inside a group masks
 columns instead of copying; any other operation takes the row out of the group first (`release`:
-its columns copied into a cache of its own). Each row sees only its own columns at its own
+its columns copied into a cache of its own). A finished request's row leaves the group's tensors
+before the next step (`compact`). Each row sees only its own columns at its own
 position ids, through a 4-D mask (sliding-window layers get a mask of their own), so a batched
 step computes what the row's own forward would, up to float rounding.
 
