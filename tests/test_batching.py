@@ -4,6 +4,7 @@ what each row's own forward computes, and concurrent requests get the texts they
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,8 +12,10 @@ import torch
 from helpers import TINY_METHODS, tiny_pair_for
 
 from ensemble_llm import Ensemble
-from ensemble_llm.errors import ConfigError
-from ensemble_llm.members.batching import SCHEDULER, RowGroup, _Call, run_prefills, run_step
+from ensemble_llm.errors import ConfigError, RequestCancelled
+from ensemble_llm.members import batching
+from ensemble_llm.members.batching import SCHEDULER, RowGroup, Tally, _Call, run_prefills, run_step
+from ensemble_llm.members.member import forward_guard
 
 PROMPTS = ["The capital of France is", "Write a haiku about rain.", "2+2=", "List three colors:", "Once upon a"]
 
@@ -197,6 +200,53 @@ def test_a_finished_requests_row_is_freed_at_the_next_step(tiny_members):
         alone = m.prefill(list(s.ids))
         torch.testing.assert_close(s.next_logprobs, alone.next_logprobs, atol=1e-5, rtol=1e-5)
         assert torch.allclose(m.kv_tensor(s), m.kv_tensor(alone), atol=1e-5)
+
+
+def test_a_request_cancelled_while_passed_over_leaves_at_once(tiny_members, monkeypatch):
+    """A call waiting for its turn (another member's larger group keeps stepping) checks its
+    request's guard while it waits: cancelled, it leaves the queue at once, its state untouched."""
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    monkeypatch.setattr(batching, "MAX_DEFER", 10**6)
+    busy_states = [_state(smol, 5, 0), _state(smol, 7, 1)]
+    g = _state(gemma, 6, 2)
+    before = list(g.ids)
+    stop, cancel, out = threading.Event(), threading.Event(), {}
+
+    def busy(s):
+        with SCHEDULER.request():
+            for _ in range(300):
+                if stop.is_set():
+                    return
+                smol.extend(s, [11])
+
+    def guard():
+        if cancel.is_set():
+            raise RequestCancelled("stopped")
+
+    def lone():
+        with SCHEDULER.request(), forward_guard(guard, Tally()):  # as the worker runs a request
+            try:
+                gemma.extend(g, [12])
+                out["r"] = "ran"
+            except RequestCancelled:
+                out["r"] = "cancelled"
+
+    workers = [threading.Thread(target=busy, args=(s,)) for s in busy_states]
+    for t in workers:
+        t.start()
+    time.sleep(0.2)
+    waiting = threading.Thread(target=lone)
+    waiting.start()
+    t0 = time.monotonic()
+    while not any(c.state is g for c in SCHEDULER._pending) and time.monotonic() - t0 < 10:
+        time.sleep(0.002)
+    cancel.set()
+    waiting.join(timeout=10)
+    left_first = not waiting.is_alive() and all(t.is_alive() for t in workers)  # not after the others
+    stop.set()
+    for t in workers:
+        t.join(timeout=30)
+    assert out.get("r") == "cancelled" and g.ids == before and left_first
 
 
 METHODS = TINY_METHODS

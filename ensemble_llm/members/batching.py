@@ -393,10 +393,20 @@ class StepScheduler:
         return self._wait(_Call(member, None, -1, tally, tree=tree))
 
     def _wait(self, call: _Call) -> Any:
+        from .member import current_guard  # (member.py imports this module)
+
+        check = current_guard()
         with self._cond:
             self._pending.append(call)
             self._cond.notify_all()
             while not call.done:
+                if check is not None and call in self._pending:  # not taken by a step yet: a request
+                    try:  # cancelled or past its deadline while passed over leaves the queue at once
+                        check()
+                    except BaseException:
+                        self._pending.remove(call)
+                        self._cond.notify_all()
+                        raise
                 # every running request waits in a step (or this call has waited a gather period:
                 # a request still prefilling or scoring is not waited for longer): this thread steps
                 late = time.monotonic() - max(call.since, self._stepped) >= GATHER_S
