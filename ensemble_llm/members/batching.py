@@ -81,6 +81,7 @@ class _Call:
     last_only: bool = False  # an extend's log-probs of its last token only
     cands: list[list[int]] | None = None  # a score_inline call: candidates side by side (then no token)
     deferred: int = 0  # steps that passed this call over (`StepScheduler._take`)
+    guard: Any = None  # the request's deadline and cancellation check, run while the call waits
 
     @property
     def new(self) -> list[int]:
@@ -372,30 +373,28 @@ class StepScheduler:
         another request runs too."""
         return getattr(self._local, "on", False) and self._active > 1
 
-    def extend(self, member: Any, state: Any, ids: list[int], tally: Tally | None, last_only: bool = False):
+    def extend(self, member: Any, state: Any, ids: list[int], tally: Tally | None, last_only: bool = False, guard=None):
         """`ids` appended to `state` in the next step, with the other requests' extends of this
         member (log-probs [len(ids), V], or [1, V] with `last_only`)."""
-        return self._wait(_Call(member, state, [int(i) for i in ids], tally, last_only=last_only))
+        return self._wait(_Call(member, state, [int(i) for i in ids], tally, last_only=last_only, guard=guard))
 
-    def score(self, member: Any, state: Any, cands: list[list[int]], tally: Tally | None) -> torch.Tensor:
+    def score(self, member: Any, state: Any, cands: list[list[int]], tally: Tally | None, guard=None) -> torch.Tensor:
         """specfuse's in-line scoring in the next step, with the other requests' extends of this
         member: the candidates side by side after the row, each seeing the row and itself only.
         Raw logits [total, V]; the candidates' columns stay until keep_candidate / drop_candidates."""
-        return self._wait(_Call(member, state, -1, tally, cands=cands))
+        return self._wait(_Call(member, state, -1, tally, cands=cands, guard=guard))
 
-    def prefill(self, member: Any, state: Any, ids: list[int], tally: Tally | None) -> torch.Tensor:
+    def prefill(self, member: Any, state: Any, ids: list[int], tally: Tally | None, guard=None) -> torch.Tensor:
         """A prompt into the empty `state`, run with the other requests' prompts in one forward
         (log-probs of the last position, [1, V])."""
-        return self._wait(_Call(member, state, -1, tally, ids=[int(i) for i in ids]))
+        return self._wait(_Call(member, state, -1, tally, ids=[int(i) for i in ids], guard=guard))
 
-    def rows(self, member: Any, tree: tuple, tally: Tally | None) -> tuple:
+    def rows(self, member: Any, tree: tuple, tally: Tally | None, guard=None) -> tuple:
         """A `forward_rows` call, run with the other requests' trees in one forward."""
-        return self._wait(_Call(member, None, -1, tally, tree=tree))
+        return self._wait(_Call(member, None, -1, tally, tree=tree, guard=guard))
 
     def _wait(self, call: _Call) -> Any:
-        from .member import current_guard  # (member.py imports this module)
-
-        check = current_guard()
+        check = call.guard
         with self._cond:
             self._pending.append(call)
             self._cond.notify_all()

@@ -262,8 +262,8 @@ class Member(TokenizerView):
             _check_guard()  # forward for all their extends (or their prompts)
             self.drop_candidates(state)
             if prompt:
-                return SCHEDULER.prefill(self, state, ids, current_tally())
-            return SCHEDULER.extend(self, state, list(ids), current_tally(), last_only)
+                return SCHEDULER.prefill(self, state, ids, current_tally(), guard=current_guard())
+            return SCHEDULER.extend(self, state, list(ids), current_tally(), last_only, guard=current_guard())
         self._own(state)
         return self._extend_own(state, ids, last_only)
 
@@ -418,7 +418,7 @@ class Member(TokenizerView):
             raise ValueError("forward_rows needs one path per token and at least one token")
         if SCHEDULER.batching():
             _check_guard()
-            return SCHEDULER.rows(self, (prefix_kv, paths, tokens), current_tally())
+            return SCHEDULER.rows(self, (prefix_kv, paths, tokens), current_tally(), guard=current_guard())
         return self.rows_many([(prefix_kv, paths, tokens)])[0]
 
     def rows_many(self, calls: Sequence[tuple], tallies: list | None = None) -> list[tuple]:
@@ -499,7 +499,7 @@ class Member(TokenizerView):
         starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
         if SCHEDULER.batching():  # with the other requests' steps of this member, in their group
             _check_guard()
-            logits = SCHEDULER.score(self, state, cands, current_tally())
+            logits = SCHEDULER.score(self, state, cands, current_tally(), guard=current_guard())
         else:
             self._own(state)
             logits = self._score_own(state, cands)
