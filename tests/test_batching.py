@@ -29,6 +29,16 @@ def _copy(member, state):
     return member.prefill(list(state.ids))
 
 
+def _grouped(member, lengths):
+    """States of these prompt lengths stepped once into one group, and their copies stepped alone."""
+    states = [_state(member, n, i) for i, n in enumerate(lengths)]
+    alone = [_copy(member, s) for s in states]
+    run_step(member, [_Call(member, s, 5 + i, None) for i, s in enumerate(states)])
+    for i, a in enumerate(alone):
+        member.extend(a, [5 + i])
+    return states, alone, states[0].group
+
+
 @pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)
 def test_prompts_prefilled_together_match_their_own_prefills_and_step_on(tiny_members, key):
     """Prompts of 5, 19 and 12 tokens in one left-padded forward: each state gets its own prefill's
@@ -59,12 +69,7 @@ def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_member
     """Extends of 3, 1 and 0 tokens in one step (safe's verifications beside one-token steps): each
     row gets its own extend's log-probs for every new token (or the last with last_only)."""
     m = tiny_members[key]
-    states = [_state(m, n, i) for i, n in enumerate((6, 11, 9))]
-    alone = [_copy(m, s) for s in states]
-    run_step(m, [_Call(m, s, 5 + i, None) for i, s in enumerate(states)])  # into one group
-    for i, a in enumerate(alone):
-        m.extend(a, [5 + i])
-    group = states[0].group
+    states, alone, group = _grouped(m, (6, 11, 9))
     plan = [[(0, [7, 8, 9], False), (1, [10], False)], [(1, [11, 12], True), (2, [13, 14, 15, 16], False)]]
     plan += [[(0, [17 + k], False), (1, [18, 19, 20][: 1 + k % 3], k % 2 == 0), (2, [21], False)] for k in range(8)]
     for calls in plan:
@@ -85,12 +90,7 @@ def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, ke
     logits of that row's own scoring forward; keeping one candidate (or none) leaves the row as its
     own cache would be, and the steps after it match too, in the same group."""
     m = tiny_members[key]
-    states = [_state(m, n, i) for i, n in enumerate((7, 12, 10))]
-    alone = [_copy(m, s) for s in states]
-    run_step(m, [_Call(m, s, 5 + i, None) for i, s in enumerate(states)])  # into one group
-    for i, a in enumerate(alone):
-        m.extend(a, [5 + i])
-    group = states[0].group
+    states, alone, group = _grouped(m, (7, 12, 10))
     cands = {0: [[21, 22, 23], [24, 25]], 2: [[26], [27, 28, 29, 30], [31, 32]]}
     calls = [_Call(m, states[i], -1, None, cands=c) for i, c in cands.items()] + [_Call(m, states[1], 40, None)]
     run_step(m, calls)
