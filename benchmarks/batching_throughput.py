@@ -9,6 +9,7 @@ texts differ from the 1-client run (greedy: each difference is listed with the f
 character). Writes results.json and results.md.
 
     python benchmarks/batching_throughput.py --out benchmarks/results/batching
+    python benchmarks/batching_throughput.py --ray --out benchmarks/results/batching_ray
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=None, help="the engine's max_batch (default: the most clients)")
     ap.add_argument("--repeat", type=int, default=1, help="send the prompts this many times (e.g. 8: 64 requests)")
     ap.add_argument("--server", action="store_true", help="through a real `ensemble-llm serve` process")
+    ap.add_argument("--ray", action="store_true", help="placement='ray': each member in an actor of a local cluster")
     ap.add_argument("--out", default="batching")
     args = ap.parse_args()
     from ensemble_llm import Ensemble
@@ -94,7 +96,10 @@ def main() -> None:
                 )
                 return r.choices[0].message.content, r.usage.completion_tokens
         else:
-            engine = Ensemble(members, method, cfg, max_batch=max_batch).load()
+            place = {}
+            if args.ray:  # one CPU per member actor (this machine has 2)
+                place = {"placement": "ray", "member_resources": {"num_cpus": 2 / len(members)}}
+            engine = Ensemble(members, method, cfg, max_batch=max_batch, **place).load()
 
             def ask(p, engine=engine):
                 r = engine.generate(p, max_new_tokens=args.max_tokens)
@@ -128,11 +133,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     where = "through `ensemble-llm serve` (openai client)" if args.server else "in process"
+    if args.ray:
+        where += ", members in Ray actors (local cluster, 2 CPUs shared by the actors)"
     lines = [
         f"# Continuous batching: {len(prompts)} chat requests, greedy, up to {args.max_tokens} tokens, {where}",
         "",
         f"Members: {args.models} (single: the first). 2 CPU cores. `python benchmarks/batching_throughput.py"
         + (" --server" if args.server else "")
+        + (" --ray" if args.ray else "")
         + f" --methods {args.methods} --clients {args.clients} --max-tokens {args.max_tokens}"
         + f" --repeat {args.repeat} --max-batch {max_batch}`.",
         "",

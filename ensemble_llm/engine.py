@@ -116,7 +116,7 @@ class Ensemble:
         self._load_lock = threading.RLock()  # load() calibrates "auto" weights, which asks for the members
         self.max_batch = resolve_max_batch(max_batch, self.placement, self.devices)  # requests at once
         self.kv_budget = KVBudget(kv_budget)  # requests wait while their KV caches would not fit
-        self._worker = Worker(self._execute, self.load, self.max_batch, steps=self.placement == "local")
+        self._worker = Worker(self._execute, self.load, self.max_batch)
 
     @classmethod
     def shared(

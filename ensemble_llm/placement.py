@@ -63,10 +63,10 @@ MAX_BATCH = {"cpu": 8, "cuda": 32}  # "auto": requests run at once per device ki
 
 def resolve_max_batch(value: Any, placement: str, devices: Sequence[Any]) -> int:
     """How many requests run at once: an int >= 1, or "auto" (8 on CPU, 32 when every member is on
-    CUDA; 1 with Ray placement, whose members' forwards are not batched yet)."""
+    CUDA; 8 with Ray placement, whose actors' devices are not known before they start)."""
     if value == "auto":
         if placement == "ray":
-            return 1
+            return MAX_BATCH["cpu"]
         kinds = {torch.device(d).type for d in devices}
         return MAX_BATCH["cuda"] if kinds == {"cuda"} else MAX_BATCH["cpu"]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from contextlib import nullcontext
 from typing import Callable
 
 from .errors import EnsembleError, GenerationError, RequestCancelled
@@ -28,10 +27,8 @@ class Worker:
     members/batching.py); `load()` runs first (outside the forward guard, so a short timeout
     cannot cut loading off midway)."""
 
-    def __init__(self, execute: Execute, load: Callable[[], object], max_batch: int = 1, steps: bool = True) -> None:
-        # steps: the requests' forwards join the shared steps (False for members in Ray
-        # actors, whose forwards never reach the step scheduler: others must not wait for them)
-        self._execute, self._load, self.max_batch, self._steps = execute, load, max_batch, steps
+    def __init__(self, execute: Execute, load: Callable[[], object], max_batch: int = 1) -> None:
+        self._execute, self._load, self.max_batch = execute, load, max_batch
         self._jobs: "queue.Queue" = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._open = 0  # jobs submitted and not finished (counted at submit: a job a thread has just
@@ -88,7 +85,7 @@ class Worker:
                 job.check_deadline()  # it may have expired while waiting in the queue
                 self._load()  # loading and calibration run once, outside the guard, so a short timeout
                 # cannot cut them off midway and make every request redo them
-                with SCHEDULER.request() if self._steps else nullcontext(), forward_guard(guard, Tally()):
+                with SCHEDULER.request(), forward_guard(guard, Tally()):
                     result = self._execute(job, emit, cancel)
                 if attempt:
                     result.stats["retries"] = attempt

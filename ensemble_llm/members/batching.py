@@ -25,8 +25,13 @@ specfuse's in-line scoring joins the steps too: its candidates are new columns o
 extend's, each candidate a run that sees the row and itself only (`_Call.segments`); keeping one
 candidate afterwards makes the others' columns holes (`RowGroup.keep`).
 
-Not batched: the prompt scoring of per-request weights (`score_prompt`) and members in Ray
-actors; they run one request at a time per member (under the member's lock), between the steps.
+Members in Ray actors join the same steps: the scheduler runs in the caller, where the requests
+are, and a step of a Ray member is one call to its actor (`RayMember.run_batch`), which runs these
+same functions there on its own states; the answers stay on the actor as handles, so the step does
+not wait for them (ray/member.py).
+
+Not batched: the prompt scoring of per-request weights (`score_prompt`), which runs one request at
+a time per member (under the member's lock), between the steps, and smc's byte LMs in Ray actors.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Tally:
     """One request's forward passes, seconds in them and prefills, per member (its stats)."""
 
     counts: dict[int, list] = field(default_factory=dict)
+    remote: dict[int, Any] = field(default_factory=dict)  # per member in a Ray actor: its own count (ray/member.py)
 
     def add(self, member: Any, n: int = 1, seconds: float = 0.0, prefills: int = 0) -> None:
         c = self.counts.setdefault(id(member), [0, 0.0, 0])
@@ -82,6 +88,7 @@ class _Call:
     cands: list[list[int]] | None = None  # a score_inline call: candidates side by side (then no token)
     deferred: int = 0  # steps that passed this call over (`StepScheduler._take`)
     guard: Any = None  # the request's deadline and cancellation check, run while the call waits
+    opts: tuple = ()  # a scoring call in a Ray actor: (raw_logits, keep), applied there
 
     @property
     def new(self) -> list[int]:
@@ -341,7 +348,9 @@ class StepScheduler:
 
     @contextlib.contextmanager
     def request(self):
-        """The calling thread runs one request: its extends and prompts may be batched."""
+        """The calling thread runs one request: its extends and prompts may be batched. A request
+        that hands parts of its work to threads of its own (specfuse's parallel drafts) waits for
+        them in `own_forward`, and each part runs in `request` as if it were one."""
         with self._cond:
             self._active += 1
         self._local.on = True
@@ -368,6 +377,10 @@ class StepScheduler:
             with self._cond:
                 self._busy -= 1
 
+    def joined(self) -> bool:
+        """Whether the calling thread runs a request (or a part of one, see `request`) in the steps."""
+        return getattr(self._local, "on", False)
+
     def batching(self) -> bool:
         """Whether an extend from this thread should wait for a step: it runs a request, and
         another request runs too."""
@@ -378,11 +391,13 @@ class StepScheduler:
         member (log-probs [len(ids), V], or [1, V] with `last_only`)."""
         return self._wait(_Call(member, state, [int(i) for i in ids], tally, last_only=last_only, guard=guard))
 
-    def score(self, member: Any, state: Any, cands: list[list[int]], tally: Tally | None, guard=None) -> torch.Tensor:
+    def score(
+        self, member: Any, state: Any, cands: list[list[int]], tally: Tally | None, guard=None, opts: tuple = ()
+    ) -> Any:
         """specfuse's in-line scoring in the next step, with the other requests' extends of this
         member: the candidates side by side after the row, each seeing the row and itself only.
         Raw logits [total, V]; the candidates' columns stay until keep_candidate / drop_candidates."""
-        return self._wait(_Call(member, state, -1, tally, cands=cands, guard=guard))
+        return self._wait(_Call(member, state, -1, tally, cands=cands, guard=guard, opts=opts))
 
     def prefill(self, member: Any, state: Any, ids: list[int], tally: Tally | None, guard=None) -> torch.Tensor:
         """A prompt into the empty `state`, run with the other requests' prompts in one forward
@@ -425,7 +440,8 @@ class StepScheduler:
         smaller group over once lets its requests fall in behind the others (the requests that just
         stepped move on to that member), and from then on each forward has every row. specfuse and
         safe spend several steps on one member (a draft, a segment): their smaller group may wait
-        up to MAX_DEFER steps for the others to come over."""
+        up to MAX_DEFER steps for the others to come over. A member in a Ray actor computes apart
+        from the others (and a step of it does not wait for its answers): its group always runs."""
         groups: dict[tuple, list[_Call]] = {}
         for c in self._pending:
             groups.setdefault((id(c.member), c.kind), []).append(c)
@@ -433,7 +449,10 @@ class StepScheduler:
         take = [
             c
             for g in groups.values()
-            if g is best or g[0].kind == "prefill" or any(c.deferred >= MAX_DEFER for c in g)
+            if g is best
+            or g[0].kind == "prefill"
+            or getattr(g[0].member, "remote", False)  # its own actor: no other group waits for it
+            or any(c.deferred >= MAX_DEFER for c in g)
             for c in g
         ]
         taken = {id(c) for c in take}
@@ -452,7 +471,9 @@ class StepScheduler:
                 by_member.setdefault((id(c.member), c.kind), []).append(c)
             for group in by_member.values():
                 try:
-                    if group[0].kind == "step":
+                    if getattr(group[0].member, "remote", False):  # one call to its actor (ray/member.py)
+                        group[0].member.run_batch(group[0].kind, group)
+                    elif group[0].kind == "step":
                         run_step(group[0].member, group)
                     elif group[0].kind == "prefill":
                         run_prefills(group[0].member, group)

@@ -494,15 +494,23 @@ class Member(TokenizerView):
         if not candidates or any(len(c) == 0 for c in candidates):
             raise ValueError("score_inline needs non-empty candidates")
         self.drop_candidates(state)
-        first_lp = self.ensure_next(state)
+        self.ensure_next(state)
         cands = [[int(t) for t in c] for c in candidates]
-        starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
         if SCHEDULER.batching():  # with the other requests' steps of this member, in their group
             _check_guard()
             logits = SCHEDULER.score(self, state, cands, current_tally(), guard=current_guard())
         else:
             self._own(state)
             logits = self._score_own(state, cands)
+        return self.scored(state, cands, logits, raw_logits, keep)
+
+    def scored(
+        self, state: KVState, cands: list[list[int]], logits: torch.Tensor, raw_logits: bool, keep: bool
+    ) -> list[torch.Tensor]:
+        """score_inline's answer from the scoring forward's `logits` [total, V] (the candidates'
+        columns sit after the state's; `keep` leaves them for keep_candidate)."""
+        starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
+        first_lp = state.next_logprobs
         state.scored = (len(state.ids), starts, cands, logits)
         if not keep:
             self.drop_candidates(state)

@@ -24,6 +24,7 @@ One round:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
+from ..members.batching import SCHEDULER
 from ..members.member import current_guard, current_tally, forward_guard
 from ..members.rows import pick_token
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
@@ -280,12 +282,14 @@ class _FuseRun:
         """fn over items: in the pool's threads (under the request's deadline) when there is one."""
         if self.pool is None:
             return [fn(x) for x in items]
+        joined = SCHEDULER.joined()  # each thread's forwards join the steps, as the request's would
 
         def guarded(x):
-            with forward_guard(self.check, self.tally):
+            with SCHEDULER.request() if joined else contextlib.nullcontext(), forward_guard(self.check, self.tally):
                 return fn(x)
 
-        return list(self.pool.map(guarded, items))
+        with SCHEDULER.own_forward():  # the steps wait for the threads, not for this one
+            return list(self.pool.map(guarded, items))
 
     def round(self) -> tuple[str, bool]:
         """One round up to its commit: (the text committed, whether the reply ends). The members

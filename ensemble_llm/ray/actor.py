@@ -4,6 +4,7 @@ model, its KV states, the rows of log-probs each forward produced and, for smc, 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 from pathlib import Path
@@ -34,6 +35,7 @@ TOKENIZER_FILE_NAMES = (
     "chat_template.json",
 )
 RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "torch_threads")
+READY_KEPT = 64  # prompt states score_prompt keeps for the prefill that follows (one per request at once)
 
 
 def _ray():
@@ -82,6 +84,7 @@ class MemberActor:
         )
         self.objs: dict[int, Any] = {}
         self.scratch: dict[int, list] = {}
+        self.ready: collections.OrderedDict[tuple, Any] = collections.OrderedDict()  # score_prompt's states
         self.last_error = "none"
 
     def info(self) -> dict:
@@ -113,13 +116,22 @@ class MemberActor:
         folder = Path(self.member.source)
         return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.name in TOKENIZER_FILE_NAMES}
 
-    def call(self, op: str, args: tuple, dead: list[int]) -> Any:
+    def call(self, op: str, args: tuple, dead: list[int], tags: tuple = ()) -> Any:
+        """Run `op`; the forwards it runs count for each request in `tags` (handles of their
+        counts: a batched step counts once for each request in it, as in the caller's `Tally`)."""
+        m = self.member
+        n0, t0, p0 = m.n_forward, m.forward_time, m.n_prefill
         try:
             return getattr(self, "op_" + op)(*args)
         except Exception as exc:
             self.last_error = f"{op}: {type(exc).__name__}: {exc}"
             raise
         finally:  # after the call: a handle the caller made and dropped before this call created it
+            for h in tags:
+                c = self.objs.setdefault(h, [0, 0.0, 0])
+                c[0] += m.n_forward - n0
+                c[1] += m.forward_time - t0
+                c[2] += (m.n_prefill - p0) if op != "prefills" else 0  # a batch's prefills: op_prefills
             for h in dead:
                 self.objs.pop(h, None)
                 self.scratch.pop(h, None)
@@ -143,9 +155,58 @@ class MemberActor:
             ) from None
 
     # KV states: every forward keeps its log-prob rows under the handle the caller chose
+    def _prefilled(self, ids: list[int]):
+        """The state score_prompt left for these ids (its prompt runs once), or None."""
+        return self.ready.pop(tuple(ids), None)
+
     def op_prefill(self, h: int, r: int, ids: list[int]) -> None:
-        st = self.objs[h] = self.member.prefill(ids)
+        st = self.objs[h] = self._prefilled(ids) or self.member.prefill(ids)
         self.objs[r] = st.next_logprobs[None]
+
+    def op_prefills(self, items: list[tuple[int, int, list[int], int | None]]) -> None:
+        """Several requests' prompts in one forward (batching.run_prefills): (state handle, rows
+        handle, ids, the request's count handle) each."""
+        from ..members.batching import _Call, run_prefills
+
+        m, calls = self.member, []
+        for h, _, ids, tag in items:
+            st = self._prefilled(ids)
+            if st is None:
+                st = m.new_state()
+                calls.append(_Call(m, st, -1, None, ids=ids))
+                m._count_prefill()
+                if tag is not None:
+                    self.objs.setdefault(tag, [0, 0.0, 0])[2] += 1
+            self.objs[h] = st
+        if calls:
+            run_prefills(m, calls)
+        for h, r, _, _ in items:
+            self.objs[r] = self.objs[h].next_logprobs[None]
+
+    def op_step(self, items: list[tuple]) -> list:
+        """One batched step of several requests' extends and in-line scorings (batching.run_step):
+        ("extend", state, rows, ids, last_only) or ("score", state, candidates, raw_logits, keep)
+        each; the scorings' answers come back (None for an extend)."""
+        from ..members.batching import _Call, run_step
+
+        m, calls = self.member, []
+        for kind, h, x, y, z in items:
+            st = self._state(h)
+            m.drop_candidates(st)
+            if kind == "extend":
+                calls.append(_Call(m, st, y, None, last_only=z))
+            else:
+                m.ensure_next(st)
+                calls.append(_Call(m, st, -1, None, cands=x))
+        run_step(m, calls)
+        out: list = []
+        for (kind, _, x, y, z), c in zip(items, calls):
+            if kind == "extend":
+                self.objs[x] = c.result
+                out.append(None)
+            else:
+                out.append([v.float().cpu().numpy() for v in m.scored(c.state, x, c.result, y, z)])
+        return out
 
     def op_extend(self, h: int, r: int, ids: list[int], last_only: bool) -> None:
         self.objs[r] = self.member.extend(self._state(h), ids, last_only=last_only)
@@ -180,7 +241,12 @@ class MemberActor:
         self.member.drop_candidates(self._state(h))
 
     def op_score_prompt(self, ids: list[int], positions: list[int]) -> list[float]:
-        return self.member.score_prompt(ids, positions)  # the member keeps the state for the next prefill
+        out = self.member.score_prompt(ids, positions)
+        self.ready[tuple(ids)] = self.member._ready.state  # for the prefill that follows (requests interleave here)
+        self.member._ready.state = None
+        while len(self.ready) > READY_KEPT:
+            self.ready.popitem(last=False)
+        return out
 
     def op_target_logprob(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         return self.member.target_logprob(prompt_ids, target_ids)
@@ -256,6 +322,10 @@ class MemberActor:
         lm.compact([self.objs[b] for b in beams if b in self.objs])
         return lm.heals
 
-    def op_counters(self) -> tuple[int, float, int]:
+    def op_counters(self, tag: int | None = None) -> tuple[int, float, int]:
+        """The forwards, seconds and prefills of one request (`tag`, see `call`), or all so far."""
+        if tag is not None:
+            n, t, p = self.objs.get(tag, (0, 0.0, 0))
+            return n, t, p
         m = self.member
         return m.n_forward, m.forward_time, m.n_prefill

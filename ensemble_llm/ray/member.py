@@ -13,9 +13,34 @@ import numpy as np
 import torch
 
 from ..errors import GenerationError
-from ..members.member import TokenizerView, current_guard
+from ..members.batching import SCHEDULER, Tally
+from ..members.member import TokenizerView, current_guard, current_tally
 from .actor import MAX_RESTARTS, WAIT_SLICE_S, _ray, payload_bytes
-from .handles import Pending, RemoteByteLM, RemoteRow, RemoteRows, RemoteState
+from .handles import Pending, RemoteByteLM, RemoteRow, RemoteRows, RemoteState, _Handle
+
+
+class _Count:
+    """One request's figures for one member: its forwards, seconds and prefills are counted on the
+    actor under `handle` (freed there when the request's Tally goes), bytes and round trips here."""
+
+    __slots__ = ("handle", "bytes", "trips")
+
+    def __init__(self, owner: "RayMember") -> None:
+        self.handle, self.bytes, self.trips = _Handle(owner), 0, 0
+
+
+class _Part:
+    """One request's answer in a batched call's list of answers (its bytes counted for it alone)."""
+
+    __slots__ = ("owner", "ref", "i")
+
+    def __init__(self, owner: "RayMember", ref, i: int) -> None:
+        self.owner, self.ref, self.i = owner, ref, i
+
+    def get(self) -> Any:
+        out = self.owner._get(self.ref, count=False)[self.i]
+        self.owner._count(payload_bytes(out), 1)
+        return out
 
 
 class RayMember(TokenizerView):
@@ -42,7 +67,34 @@ class RayMember(TokenizerView):
         return f"RayMember({self.name!r}, actor device={self.actor_device}, dtype={self.dtype})"
 
     # ---- calls ---------------------------------------------------------------------------
-    def _submit(self, op: str, *args, count: bool = True):
+    def _request(self) -> _Count | None:
+        """The calling request's figures for this member (None outside a request)."""
+        return self._of(current_tally())
+
+    def _of(self, tally: Tally | None) -> _Count | None:
+        """A request's figures for this member, by its Tally."""
+        if tally is None:
+            return None
+        c = tally.remote.get(id(self))
+        if c is None:
+            c = tally.remote[id(self)] = _Count(self)
+        return c
+
+    def _count(self, nbytes: int, trips: int) -> None:
+        """Bytes and round trips, for the member and for the calling request."""
+        self.bytes_moved += nbytes
+        self.round_trips += trips
+        c = self._request()
+        if c is not None:
+            c.bytes += nbytes
+            c.trips += trips
+
+    def _submit(self, op: str, *args, count: bool = True, tags: tuple | None = None):
+        """Queue `op` on the actor; the forwards it runs count for the requests in `tags` (by
+        default the calling one: smc's byte LM, for one, runs forwards inside its calls)."""
+        if tags is None:
+            c = self._request()
+            tags = () if c is None else (c.handle.id,)
         dead = []
         while True:
             try:
@@ -50,14 +102,15 @@ class RayMember(TokenizerView):
             except IndexError:
                 break
         if count:
-            self.bytes_moved += payload_bytes(args) + 8 * len(dead)
-        return self.actor.call.remote(op, args, dead)
+            self._count(payload_bytes(args) + 8 * len(dead), 0)
+        return self.actor.call.remote(op, args, dead, tags)
 
     def _ask(self, op: str, *args) -> Pending:
         return Pending(self, self._submit(op, *args))
 
     def _forward(self, op: str, *args):
-        """A call that runs a forward pass: the request's guard (deadline, cancellation) first."""
+        """A call that runs a forward pass: the request's guard (deadline, cancellation) first; the
+        actor counts its forwards for the request."""
         check = current_guard()
         if check is not None:
             check()
@@ -73,14 +126,13 @@ class RayMember(TokenizerView):
                 if check is not None:
                     check()  # raises past the request's deadline or when its caller went away
         if count:
-            self.bytes_moved += payload_bytes(out)
-            self.round_trips += 1
+            self._count(payload_bytes(out), 1)
         return out
 
-    def _get(self, ref) -> Any:
+    def _get(self, ref, count: bool = True) -> Any:
         ray = _ray()
         try:
-            return self._get_raw(ref, current_guard())
+            return self._get_raw(ref, current_guard(), count)
         except ray.exceptions.RayActorError as exc:
             raise GenerationError(
                 f"member {self.name!r} (Ray actor) died during the request: {type(exc).__name__}; Ray restarts it "
@@ -95,6 +147,10 @@ class RayMember(TokenizerView):
         once every call queued before has run; this read itself is not counted. The engine reads
         them first thing in every request, so this is also where a request waits for an actor Ray
         is restarting (within its deadline)."""
+        c = self._request()
+        if c is not None:  # the calling request's own figures (other requests run beside it)
+            n, t, p = self._ready("counters", c.handle.id)
+            return n, t, p, c.bytes, c.trips
         self._known = self._ready("counters")
         n, t, p = self._known
         return n, t, p, self.bytes_moved, self.round_trips
@@ -136,8 +192,12 @@ class RayMember(TokenizerView):
         ids = [int(i) for i in ids]
         if not ids:
             raise ValueError("extend() needs at least one token id")
-        state, rows = RemoteState(self), RemoteRows(self, 1)
-        self._forward("prefill", state.handle.id, rows.handle.id, ids)
+        state = RemoteState(self)
+        if SCHEDULER.batching():  # with the other requests' prompts, one call (run_batch)
+            rows = SCHEDULER.prefill(self, state, ids, current_tally(), guard=current_guard())
+        else:
+            rows = RemoteRows(self, 1)
+            self._forward("prefill", state.handle.id, rows.handle.id, ids)
         state.ids, state.next_row = ids, rows[0]
         return state
 
@@ -146,8 +206,11 @@ class RayMember(TokenizerView):
         if not ids:
             raise ValueError("extend() needs at least one token id")
         state.scored = None
-        rows = RemoteRows(self, 1 if last_only else len(ids))
-        self._forward("extend", state.handle.id, rows.handle.id, ids, bool(last_only))
+        if state.ids and SCHEDULER.batching():  # in the next step, with the other requests' extends
+            rows = SCHEDULER.extend(self, state, ids, current_tally(), bool(last_only), guard=current_guard())
+        else:
+            rows = RemoteRows(self, 1 if last_only else len(ids))
+            self._forward("extend", state.handle.id, rows.handle.id, ids, bool(last_only))
         state.ids.extend(ids)
         state.next_row = rows[-1]
         return rows
@@ -190,7 +253,12 @@ class RayMember(TokenizerView):
         if not cands or any(len(c) == 0 for c in cands):
             raise ValueError("score_inline needs non-empty candidates")
         self.ensure_next(state)
-        out = Pending(self, self._forward("score_inline", state.handle.id, cands, bool(raw_logits), bool(keep))).get()
+        if SCHEDULER.batching():  # in the next step, with the other requests' extends
+            opts = (bool(raw_logits), bool(keep))
+            part = SCHEDULER.score(self, state, cands, current_tally(), guard=current_guard(), opts=opts)
+        else:
+            part = Pending(self, self._forward("score_inline", state.handle.id, cands, bool(raw_logits), bool(keep)))
+        out = part.get()
         state.scored = cands if keep else None
         return [torch.tensor(x) for x in out]
 
@@ -209,12 +277,49 @@ class RayMember(TokenizerView):
 
     def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
         """`Member.score_prompt` on the actor: the prompt's state stays there for the next prefill."""
-        return Pending(self, self._forward("score_prompt", [int(i) for i in ids], [int(p) for p in positions])).get()
+        with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
+            ref = self._forward("score_prompt", [int(i) for i in ids], [int(p) for p in positions])
+            return Pending(self, ref).get()
 
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
-        return Pending(
-            self, self._forward("target_logprob", [int(i) for i in prompt_ids], [int(i) for i in target_ids])
-        ).get()
+        with SCHEDULER.own_forward():
+            return Pending(
+                self, self._forward("target_logprob", [int(i) for i in prompt_ids], [int(i) for i in target_ids])
+            ).get()
+
+    # ---- batched steps (members/batching.py): one call to the actor per step -------------
+    def run_batch(self, kind: str, calls: list) -> None:
+        """Send one step of several requests' calls to the actor, which runs them batched there
+        (`op_prefills`, `op_step`). The rows stay on the actor as handles, so this does not wait:
+        each call's result is its rows (a scoring call: its part of the answer, fetched by its
+        request). Their forwards count for each request in the step."""
+        counts = [self._of(c.tally) for c in calls]
+        tags = tuple(n.handle.id for n in counts if n is not None)
+        if kind == "prefill":
+            items = []
+            for c, n in zip(calls, counts):
+                c.result = RemoteRows(self, 1)
+                items.append((c.state.handle.id, c.result.handle.id, list(c.ids), None if n is None else n.handle.id))
+            ref = self._submit("prefills", items, count=False, tags=tags)
+        elif kind == "step":
+            items = []
+            for c in calls:
+                if c.cands is None:
+                    c.result = RemoteRows(self, 1 if c.last_only else len(c.new))
+                    items.append(("extend", c.state.handle.id, c.result.handle.id, c.new, c.last_only))
+                else:
+                    items.append(("score", c.state.handle.id, c.cands, *c.opts))
+            ref = self._submit("step", items, count=False, tags=tags)
+            for i, c in enumerate(calls):
+                if c.cands is not None:
+                    c.result = _Part(self, ref, i)
+        else:
+            raise ValueError(f"a member in a Ray actor does not batch {kind!r} calls")
+        for n, item in zip(counts, items):  # each request's items count for it
+            nbytes = payload_bytes(item)
+            self.bytes_moved += nbytes
+            if n is not None:
+                n.bytes += nbytes
 
     def kv_tensor(self, state: RemoteState) -> torch.Tensor:
         """The state's whole KV cache, fetched (smc runs its byte LM on the actor instead)."""
