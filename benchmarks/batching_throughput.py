@@ -129,6 +129,10 @@ def main() -> None:
             if proc is not None:
                 proc.terminate()
                 proc.wait(30)
+            if args.ray:  # the next method's actors need the CPUs
+                from ensemble_llm.ray import clear_actors
+
+                clear_actors()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

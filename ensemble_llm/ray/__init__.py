@@ -23,6 +23,12 @@ caller only waits where it needs a value, so the forwards of different members r
 verifiers verify and SpecFuse members draft in parallel. Handles the caller drops are freed on
 the actor with the next call. Payload bytes both ways are counted per member (`bytes_moved`).
 
+Concurrent requests batch across the actors: the caller's step scheduler (members/batching.py)
+sends a Ray member's step, the prompts or the extends and scorings of several requests, as one
+call (`RayMember.run_batch`), and the actor runs it as one batched forward on its states
+(`MemberActor.op_prefills` / `op_step`). Each request's forwards are counted on the actor under
+a handle of the request, so its stats stay its own while others run beside it.
+
 Faults: a dead actor (killed, out of memory) fails the request with a `GenerationError` naming
 the member; Ray restarts it (`max_restarts`) and the next request runs on the fresh actor. The
 caller waits in short slices and checks the request's deadline between them, so a timeout holds.
