@@ -65,6 +65,36 @@ def test_prompts_prefilled_together_match_their_own_prefills_and_step_on(tiny_me
 
 
 @pytest.mark.parametrize("key", ["smol", "gemma"])
+def test_prompts_scored_together_match_their_own_scoring_and_step_on(tiny_members, key):
+    """score_prompt (per-request weights) in a prompt batch beside a plain prompt: each scored
+    row gets its own scoring forward's log-probs at its own positions, every state its own
+    prefill's next row, and the group steps on like their own caches."""
+    m = tiny_members[key]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in (7, 19, 12)]
+    positions = [[1, 4, 6], [2, 9, 17, 18], None]  # the last: a plain prompt beside them
+    assert m.head_splits()
+    alone, want = [m.new_state() for _ in prompts], []
+    for a, p, q in zip(alone, prompts, positions):
+        if q is None:
+            m._extend_own(a, p, last_only=True)
+        want.append(m._score_prompt_own(a, p, q) if q is not None else None)
+    states = [m.new_state() for _ in prompts]
+    calls = [_Call(m, s, -1, None, ids=p, positions=q) for s, p, q in zip(states, prompts, positions)]
+    run_prefills(m, calls)
+    for c, w in zip(calls, want):
+        if w is not None:
+            assert c.result == pytest.approx(w, abs=1e-4)
+    for k in range(10):  # past Gemma's window
+        for s, a in zip(states, alone):
+            torch.testing.assert_close(s.next_logprobs, a.next_logprobs, atol=1e-4, rtol=1e-4)
+        run_step(m, [_Call(m, s, 200 + k, None) for s in states])
+        for a in alone:
+            m.extend(a, [200 + k])
+    assert all(s.group is states[0].group for s in states)
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])
 def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_members, key):
     """Extends of 3, 1 and 0 tokens in one step (safe's verifications beside one-token steps): each
     row gets its own extend's log-probs for every new token (or the last with last_only)."""
@@ -309,6 +339,43 @@ def test_cancelling_one_request_leaves_the_others_texts(tiny_dirs):
     assert texts[0] == alone[0] and texts[2] == alone[2]
     assert SCHEDULER._active == 0
     assert many.generate(PROMPTS[1], max_new_tokens=24, raw=True).text == alone[1]  # the engine is usable
+
+
+def test_a_requests_parts_join_the_steps_but_a_lone_request_does_not_batch():
+    """specfuse's parallel drafts run in threads of their request (`request(part=True)`): the steps
+    wait for them as for requests, but one request and its parts alone go straight to the member."""
+    sched, seen = batching.StepScheduler(), {}
+
+    def part(key):
+        with sched.request(part=True):
+            seen[key] = (sched.batching(), sched._active)
+
+    def parts():
+        threads = [threading.Thread(target=part, args=(k,)) for k in ("a", "b")]
+        with sched.own_forward():  # the request waits for its parts
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        return {k: v[0] for k, v in seen.items()}
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with sched.request():
+            entered.set()
+            leave.wait(10)
+
+    with sched.request():
+        lone = parts()
+        t = threading.Thread(target=other)
+        t.start()
+        entered.wait(10)
+        together = parts()
+        leave.set()
+        t.join()
+    assert lone == {"a": False, "b": False} and together == {"a": True, "b": True}
+    assert seen["a"][1] >= 3 and sched._active == 0 and sched._requests == 0
 
 
 def test_max_batch_is_checked():

@@ -11,6 +11,7 @@ import torch
 
 from ensemble_llm import Ensemble
 from ensemble_llm.evidence import FLOOR, answer_spans, chat_spans, posterior, span_positions
+from ensemble_llm.members import batching
 
 FEW_SHOT = "Q: The capital of France is\nA: Paris\nQ: The capital of Japan is\nA: Tokyo\nQ: The capital of Peru is\nA:"
 
@@ -108,3 +109,31 @@ def test_chat_history_answers_are_evidence(tiny_dirs):
     res = eng.generate(msgs, max_new_tokens=4)
     assert set(res.stats["evidence"]) == {m.name for m in eng.members}
     assert all(n >= 1 for n in res.stats["evidence_positions"].values())
+
+
+def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, monkeypatch):
+    """Requests with per-request weights at once: their prompt scorings share forwards (one per
+    member for the four prompts here), and each gets its one-at-a-time evidence, weights and text."""
+    members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    prompts = [FEW_SHOT.replace("Peru", c) for c in ("Peru", "Chile", "Italy", "Kenya")]
+    one = Ensemble(members, method="unite", max_batch=1)
+    many = Ensemble(members, method="unite", max_batch=4).load()
+    alone = [one.generate(p, raw=True, max_new_tokens=6, stop=["\n"]) for p in prompts]
+    scored, forward = [], batching._prefill_forward
+
+    def spy(member, calls):  # how many scored prompts each batched prompt forward carried
+        scored.append(sum(c.positions is not None for c in calls))
+        return forward(member, calls)
+
+    monkeypatch.setattr(batching, "_prefill_forward", spy)
+    before = [m.n_forward for m in many.members]
+    together = many.generate_many(prompts, raw=True, max_new_tokens=6, stop=["\n"])
+    assert max(scored) >= 2  # several requests' scorings in one forward
+    for a, b in zip(alone, together):
+        assert b.text == a.text
+        assert b.stats["evidence"] == pytest.approx(a.stats["evidence"], abs=2e-3)
+        assert b.stats["member_weights"] == pytest.approx(a.stats["member_weights"], abs=1e-3)
+        assert all(st["prefills"] == 1 for st in b.stats["members"].values())
+    ran = sum(m.n_forward for m in many.members) - sum(before)
+    took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
+    assert ran < took_part

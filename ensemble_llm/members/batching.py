@@ -30,8 +30,11 @@ are, and a step of a Ray member is one call to its actor (`RayMember.run_batch`)
 same functions there on its own states; the answers stay on the actor as handles, so the step does
 not wait for them (ray/member.py).
 
-Not batched: the prompt scoring of per-request weights (`score_prompt`), which runs one request at
-a time per member (under the member's lock), between the steps, and smc's byte LMs in Ray actors.
+The prompt scoring of per-request weights (`score_prompt`: log-probs at the shown answers'
+positions, from the prompt's own prefill) joins the prompt batches too: that forward returns the
+final hidden states, and each scoring row gets the output layer at its own positions
+(`Member.head`, checked once per member against the model's own logits). Not batched: smc's byte
+LMs in Ray actors, and score_prompt through Ray.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class _Call:
     deferred: int = 0  # steps that passed this call over (`StepScheduler._take`)
     guard: Any = None  # the request's deadline and cancellation check, run while the call waits
     opts: tuple = ()  # a scoring call in a Ray actor: (raw_logits, keep), applied there
+    positions: list[int] | None = None  # a prompt scored too (score_prompt): log p(ids[p] | ids[:p]) for each p
 
     @property
     def new(self) -> list[int]:
@@ -253,42 +257,64 @@ class RowGroup:
 def run_prefills(member: Any, calls: list[_Call]) -> None:
     """Several requests' prompts in one forward, left-padded (each row at its own positions; the
     model masks the pads, sliding windows included); their states become the rows of a new group,
-    ready for the steps. A lone prompt runs on its own cache."""
+    ready for the steps. A lone prompt runs on its own cache. A prompt scored too (`positions`:
+    score_prompt) gets the output layer at its own rows of the final hidden states."""
     with member._lock:
         if len(calls) == 1:
             c = calls[0]
-            c.result = member._extend_own(c.state, c.ids, last_only=True, tally=c.tally)
+            if c.positions is not None:
+                c.result = member._score_prompt_own(c.state, c.ids, c.positions, tally=c.tally)
+            else:
+                c.result = member._extend_own(c.state, c.ids, last_only=True, tally=c.tally)
             return
-        dev, width = member.device, max(len(c.ids) for c in calls)
-        tokens = torch.zeros(len(calls), width, dtype=torch.long)
-        valid = torch.zeros(len(calls), width, dtype=torch.bool)
-        for r, c in enumerate(calls):
-            tokens[r, width - len(c.ids) :] = torch.tensor(c.ids, dtype=torch.long)
-            valid[r, width - len(c.ids) :] = True
-        tokens, valid = tokens.to(dev), valid.to(dev)
-        pos = valid.long().cumsum(-1) - 1
-        cache = DynamicCache()
-        logits = member._forward(
-            tallies=[c.tally for c in calls],
-            input_ids=tokens,
-            attention_mask=valid.long(),
-            position_ids=pos.clamp(min=0),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )[:, -1]
-        with torch.inference_mode():  # the pads' keys and values are never read: zero, not whatever a pad computed
-            for layer in cache.layers:
-                hole = ~valid.to(layer.keys.device)[:, None, :, None]
-                layer.keys.masked_fill_(hole, 0)
-                layer.values.masked_fill_(hole, 0)
+        out, cache, valid, pos = _prefill_forward(member, calls)
+        scoring = any(c.positions is not None for c in calls)
+        logits = member.head(out[:, -1]) if scoring else out[:, -1]
         RowGroup(member, [c.state for c in calls], (cache, valid, torch.where(valid, pos, -1)))
+        width = valid.shape[1]
         for r, c in enumerate(calls):
+            if c.positions is not None:  # the rows before its positions (left-padded by width - len)
+                at = [width - len(c.ids) + p - 1 for p in c.positions]
+                rows = torch.cat([member.head(out[r, torch.tensor(at, device=out.device)]), logits[r : r + 1]])
+                c.result = member.prompt_scores(c.state, c.ids, c.positions, rows)
+                continue
             row = logits[r].float()
             logp = torch.log_softmax(row, dim=-1)
             c.state.ids.extend(c.ids)
             c.state.next_logprobs, c.state.next_logits = logp, row
             c.result = logp[None]
+
+
+def _prefill_forward(member: Any, calls: list[_Call]) -> tuple:
+    """The prompts' left-padded forward into a new cache (its pads' KV zeroed): the last
+    position's logits [rows, 1, V], or with a scored prompt among them every position's final
+    hidden state [rows, width, H]; and the cache, the valid columns and their positions."""
+    dev, width = member.device, max(len(c.ids) for c in calls)
+    tokens = torch.zeros(len(calls), width, dtype=torch.long)
+    valid = torch.zeros(len(calls), width, dtype=torch.bool)
+    for r, c in enumerate(calls):
+        tokens[r, width - len(c.ids) :] = torch.tensor(c.ids, dtype=torch.long)
+        valid[r, width - len(c.ids) :] = True
+    tokens, valid = tokens.to(dev), valid.to(dev)
+    pos = valid.long().cumsum(-1) - 1
+    cache = DynamicCache()
+    scoring = any(c.positions is not None for c in calls)
+    out = member._forward(
+        tallies=[c.tally for c in calls],
+        hidden=scoring,
+        input_ids=tokens,
+        attention_mask=valid.long(),
+        position_ids=pos.clamp(min=0),
+        cache=cache,
+        use_cache=True,
+        **({} if scoring else {"logits_to_keep": 1}),
+    )
+    with torch.inference_mode():  # the pads' keys and values are never read: zero, not whatever a pad computed
+        for layer in cache.layers:
+            hole = ~valid.to(layer.keys.device)[:, None, :, None]
+            layer.keys.masked_fill_(hole, 0)
+            layer.values.masked_fill_(hole, 0)
+    return out, cache, valid, pos
 
 
 def batch_masks(member: Any, seen: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> Any:
@@ -340,19 +366,22 @@ class StepScheduler:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._local = threading.local()
-        self._active = 0  # request threads running (registered by `request`)
+        self._active = 0  # threads running a request or a part of one (registered by `request`)
+        self._requests = 0  # of those, the requests themselves (not their parts)
         self._busy = 0  # of those, threads inside a forward of their own (a prefill, a scoring): not waited for
         self._pending: list[_Call] = []
         self._stepping = False
         self._stepped = 0.0  # when the last step ended: everyone gets a gather period after it
 
     @contextlib.contextmanager
-    def request(self):
+    def request(self, part: bool = False):
         """The calling thread runs one request: its extends and prompts may be batched. A request
         that hands parts of its work to threads of its own (specfuse's parallel drafts) waits for
-        them in `own_forward`, and each part runs in `request` as if it were one."""
+        them in `own_forward`, and each part runs in `request(part=True)`: the steps wait for it
+        as for a request, but a lone request with its parts does not batch (`batching`)."""
         with self._cond:
             self._active += 1
+            self._requests += not part
         self._local.on = True
         try:
             yield
@@ -360,6 +389,7 @@ class StepScheduler:
             self._local.on = False
             with self._cond:
                 self._active -= 1
+                self._requests -= not part
                 self._cond.notify_all()  # the others may all be waiting now
 
     @contextlib.contextmanager
@@ -382,9 +412,9 @@ class StepScheduler:
         return getattr(self._local, "on", False)
 
     def batching(self) -> bool:
-        """Whether an extend from this thread should wait for a step: it runs a request, and
-        another request runs too."""
-        return getattr(self._local, "on", False) and self._active > 1
+        """Whether an extend from this thread should wait for a step: it runs a request (or a
+        part of one), and another request runs too."""
+        return getattr(self._local, "on", False) and self._requests > 1
 
     def extend(self, member: Any, state: Any, ids: list[int], tally: Tally | None, last_only: bool = False, guard=None):
         """`ids` appended to `state` in the next step, with the other requests' extends of this
@@ -399,10 +429,10 @@ class StepScheduler:
         Raw logits [total, V]; the candidates' columns stay until keep_candidate / drop_candidates."""
         return self._wait(_Call(member, state, -1, tally, cands=cands, guard=guard, opts=opts))
 
-    def prefill(self, member: Any, state: Any, ids: list[int], tally: Tally | None, guard=None) -> torch.Tensor:
+    def prefill(self, member: Any, state: Any, ids: list[int], tally: Tally | None, guard=None, positions=None) -> Any:
         """A prompt into the empty `state`, run with the other requests' prompts in one forward
-        (log-probs of the last position, [1, V])."""
-        return self._wait(_Call(member, state, -1, tally, ids=[int(i) for i in ids], guard=guard))
+        (log-probs of the last position, [1, V]; with `positions`, score_prompt's answer)."""
+        return self._wait(_Call(member, state, -1, tally, ids=[int(i) for i in ids], guard=guard, positions=positions))
 
     def rows(self, member: Any, tree: tuple, tally: Tally | None, guard=None) -> tuple:
         """A `forward_rows` call, run with the other requests' trees in one forward."""

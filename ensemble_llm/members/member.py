@@ -189,6 +189,7 @@ class Member(TokenizerView):
         self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
         self.forward_time = 0.0
         self._ready = threading.local()  # per thread: a prompt's state that score_prompt ran, for the next prefill
+        self._head_ok: bool | None = None  # see head_splits
         self._lock = threading.RLock()  # one forward at a time; a RowGroup is changed under it
 
     def __repr__(self) -> str:
@@ -217,17 +218,21 @@ class Member(TokenizerView):
             tally.add(self, 0, 0.0, 1)
 
     # ---- forwards ------------------------------------------------------------------------
-    def _forward(self, tallies: list | None = None, **kw) -> torch.Tensor:
+    def _forward(self, tallies: list | None = None, hidden: bool = False, **kw) -> torch.Tensor:
         """One forward pass; a batched step passes the `tallies` of its requests (their own
-        guards ran before they joined it), any other forward runs under this thread's guard."""
+        guards ran before they joined it), any other forward runs under this thread's guard.
+        `hidden`: the final hidden states instead of logits (the caller applies `head`)."""
         if tallies is None:
             _check_guard()
             with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
-                return self._forward([current_tally()], **kw)
+                return self._forward([current_tally()], hidden, **kw)
         with self._lock:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                logits = self.model(**kw).logits.to(self.device)  # a no-op unless the head sits elsewhere
+                if hidden:
+                    logits = self.model.get_decoder()(**kw).last_hidden_state
+                else:
+                    logits = self.model(**kw).logits.to(self.device)  # a no-op unless the head sits elsewhere
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - t0
@@ -302,19 +307,59 @@ class Member(TokenizerView):
         self._ready.state = None
         self._count_prefill()
         state = self.new_state()
-        rows = [p - 1 for p in positions] + [len(ids) - 1]
-        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self._forward(input_ids=x, cache=state.cache, use_cache=True, logits_to_keep=keep)[0]
-        last = logits[-1:].float()
-        state.ids.extend(int(i) for i in ids)
-        state.next_logits, state.next_logprobs = last[0], torch.log_softmax(last, dim=-1)[0]
+        ids, positions = [int(i) for i in ids], [int(p) for p in positions]
+        if SCHEDULER.batching() and self.head_splits():  # with the other requests' prompts, in one forward
+            _check_guard()
+            scores = SCHEDULER.prefill(self, state, ids, current_tally(), guard=current_guard(), positions=positions)
+        else:
+            scores = self._score_prompt_own(state, ids, positions)
         self._ready.state = state
+        return scores
+
+    def _score_prompt_own(self, state: KVState, ids: list[int], positions: list[int], tally=None) -> list[float]:
+        rows = [p - 1 for p in positions] + [len(ids) - 1]
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        tallies = None if tally is None else [tally]
+        logits = self._forward(tallies, input_ids=x, cache=state.cache, use_cache=True, logits_to_keep=keep)[0]
+        return self.prompt_scores(state, ids, positions, logits)
+
+    def prompt_scores(self, state: KVState, ids: list[int], positions: list[int], logits: torch.Tensor) -> list[float]:
+        """score_prompt's answer from the logits of the rows before `positions` and of the last
+        row (in that order); `state`, which holds the prompt's KV, gets its ids and next row."""
+        last = logits[-1:].float()
+        state.ids.extend(ids)
+        state.next_logits, state.next_logprobs = last[0], torch.log_softmax(last, dim=-1)[0]
         if not positions:
             return []
         logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-        tgt = torch.tensor([int(ids[p]) for p in positions], device=logp.device)
+        tgt = torch.tensor([ids[p] for p in positions], device=logp.device)
         return logp.gather(1, tgt[:, None])[:, 0].tolist()
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer on final hidden states (the model's own: lm_head and, where the config
+        has one, the logit soft-cap), for a batched prompt whose rows want logits at different
+        positions (batching.run_prefills)."""
+        with torch.inference_mode():
+            logits = self.model.get_output_embeddings()(hidden)
+            cap = getattr(self.model.config, "final_logit_softcapping", None)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+        return logits.to(self.device)
+
+    def head_splits(self) -> bool:
+        """Whether `head(decoder(x))` gives the model's own logits (checked once, on 5 tokens): then
+        prompts scored at different positions can share a forward; else each runs its own."""
+        if self._head_ok is None:
+            x = torch.tensor([[1, 2, 3, 4, 5]], device=self.device)
+            try:
+                with self._lock, torch.inference_mode():
+                    want = self.model(input_ids=x).logits.float()
+                    got = self.head(self.model.get_decoder()(input_ids=x).last_hidden_state).float()
+                self._head_ok = got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+            except Exception:  # noqa: BLE001 - an architecture without the usual decoder / head split
+                self._head_ok = False
+        return self._head_ok
 
     @contextlib.contextmanager
     def scratch(self, state: KVState):

@@ -285,7 +285,8 @@ class _FuseRun:
         joined = SCHEDULER.joined()  # each thread's forwards join the steps, as the request's would
 
         def guarded(x):
-            with SCHEDULER.request() if joined else contextlib.nullcontext(), forward_guard(self.check, self.tally):
+            part = SCHEDULER.request(part=True) if joined else contextlib.nullcontext()
+            with part, forward_guard(self.check, self.tally):
                 return fn(x)
 
         with SCHEDULER.own_forward():  # the steps wait for the threads, not for this one
