@@ -195,6 +195,7 @@ class Ensemble:
             dtype=self.dtypes[0],
             cache_dir=self.cache_dir,
             trust_remote_code=self.trust_remote_code,
+            options=self.options,
         )
 
     @property

@@ -14,7 +14,9 @@ would not fit even alone is refused at once with a KVBudgetError (a RequestError
 
 `kv_budget`: "auto" (on CUDA 90% of the device memory free once the weights are loaded, on the
 CPU half the RAM then available: psutil), a number of bytes or a size string ("2GB", "512MiB"),
-or None (no limit). Members in Ray actors are not counted (their memory is their actor's).
+or None (no limit). A member in a Ray actor counts on a device of its own (`RayMember.kv_device`),
+its "auto" limit the same share of the memory its actor found free once loaded (actors that share
+a GPU or a node each take that share: set a byte count there).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class KVBudget:
     def __init__(self, value: Any = "auto") -> None:
         self.value = parse_budget(value)
         self._limits: dict[str, int] = {}  # per device, fixed at first use ("auto": after the weights load)
+        self._free: dict[str, tuple[str, int]] = {}  # a Ray member's device: (its actor's device, free bytes)
         self._running: list[Reservation] = []
         self._queue: list[Reservation] = []  # waiting, in order of arrival
         self._cond = threading.Condition()
@@ -87,7 +90,13 @@ class KVBudget:
         if self.value is None:
             return None
         if device not in self._limits:
-            self._limits[device] = auto_limit(device) if self.value == "auto" else int(self.value)
+            if self.value != "auto":
+                self._limits[device] = int(self.value)
+            elif device in self._free:  # a Ray actor's: the share of what it found free
+                kind, free = self._free[device]
+                self._limits[device] = int(free * (AUTO_CUDA if kind.startswith("cuda") else AUTO_CPU))
+            else:
+                self._limits[device] = auto_limit(device)
         return self._limits[device]
 
     @staticmethod
@@ -105,14 +114,17 @@ class KVBudget:
         return out
 
     def plan(self, members: Sequence[Any], prompt_ids: Sequence[Sequence[int]], max_new: int, rows: int) -> Reservation:
-        """This request's bound (members without a known KV size, or in Ray actors, count 0)."""
+        """This request's bound (members without a known KV size count 0)."""
         parts = []
         for m, ids in zip(members, prompt_ids):
-            per_token = 0 if getattr(m, "remote", False) else (getattr(m, "kv_per_token", None) or 0)
+            per_token = getattr(m, "kv_per_token", None) or 0
+            dev = str(getattr(m, "kv_device", None) or m.device)
+            if getattr(m, "remote", False):
+                self._free.setdefault(dev, (str(m.actor_device), m.free_bytes))
             if rows > 1:  # a token tree per member (smc): not padded to the others
-                parts.append((str(m.device), per_token, len(ids) + rows * max_new, False))
+                parts.append((dev, per_token, len(ids) + rows * max_new, False))
             else:
-                parts.append((str(m.device), per_token, 2 * (len(ids) + max_new) + SLACK + 1, True))
+                parts.append((dev, per_token, 2 * (len(ids) + max_new) + SLACK + 1, True))
         return Reservation(parts)
 
     def _fits(self, rs: Sequence[Reservation]) -> bool:

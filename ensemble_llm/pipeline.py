@@ -164,7 +164,7 @@ def member_stats(engine: Ensemble, before: list[tuple], tokens_out: int) -> dict
     for m, (n0, t0, p0, b0, r0) in zip(engine.members, before):
         n, t, p, b, r = m.counters()
         stats["members"][m.name] = {"forward_passes": n - n0, "forward_time_s": round(t - t0, 4), "prefills": p - p0}
-        if getattr(m, "kv_per_token", None):  # a member here (its KV per token of context)
+        if getattr(m, "kv_per_token", None):  # its KV bytes per token of context (here or on its actor)
             stats["members"][m.name]["kv_bytes_per_token"] = m.kv_per_token
         if ray:  # payload bytes to and from the member's actor, waits for its answers
             stats["members"][m.name].update(bytes_moved=b - b0, round_trips=r - r0)

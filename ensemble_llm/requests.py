@@ -197,7 +197,8 @@ def member_spec(spec: Any, i: int) -> MemberSpec:
 
 def member_entries(members: Sequence[Any], placement: str = "local") -> tuple[list, list, list]:
     """Each member's (Source, preamble, MemberOptions), checked before anything loads: options
-    that do not fit the source (a revision of a local folder) or the placement are refused."""
+    that do not fit the source (a revision of a local folder) are refused. With placement="ray"
+    the options travel to the member's actor, which loads the member with them."""
     from .members.loader import check_options, resolve_source
 
     sources, preambles, options = [], [], []
@@ -205,11 +206,6 @@ def member_entries(members: Sequence[Any], placement: str = "local") -> tuple[li
         entry = member_spec(spec, i)
         source = resolve_source(entry.model)
         check_options(source, entry.options)
-        if placement == "ray" and (entry.options.spans or entry.options.revision or entry.options.quantization):
-            raise ConfigError(
-                f"member {i} ({source.ref}): revision, device_map, max_memory, offload_folder and quantization "
-                "apply to placement='local'; with placement='ray' give each actor its resources with member_resources."
-            )
         sources.append(source)
         preambles.append(entry.preamble)
         options.append(entry.options)

@@ -121,3 +121,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real)
         if item.path.name in SERVER_MODULES:
             item.add_marker(pytest.mark.server)
+
+
+@pytest.fixture(scope="session")
+def four_layer_dirs(tmp_path_factory, tokenizers):
+    """Tiny random-weight 4-layer models with the real tokenizers (room to split between layers)."""
+    from helpers import GEMMA
+
+    torch.manual_seed(1)
+    out = {}
+    for kind, name in (("smol", SMOL), ("gemma", GEMMA)):
+        tok = tokenizers[name]
+        path = tmp_path_factory.mktemp(f"split_{kind}")
+        build = tiny_llama(len(tok), layers=4, init=0.3) if kind == "smol" else tiny_gemma(len(tok), layers=4)
+        build.save_pretrained(path)  # init 0.3: varied greedy text (at 0.02 it repeats one token)
+        tok.save_pretrained(path)
+        out[kind] = str(path)
+    return out

@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 from helpers import GEMMA, SMOL, TINY_METHODS, start_server, tiny_pair_for
+from test_split import split_options
 
-from ensemble_llm import ConfigError, Ensemble, GenerationError, RequestTimeout
+from ensemble_llm import ConfigError, Ensemble, GenerationError, KVBudgetError, RequestTimeout
 from ensemble_llm.chat import render_chat
 from ensemble_llm.members import TokenLM
 from ensemble_llm.members.batching import SCHEDULER
@@ -156,6 +157,40 @@ def test_ray_requests_at_once_share_the_actors_forwards(cluster, tiny_dirs, meth
         # batched) 0.94 to 0.97
         assert ran < 0.75 * took_part
     assert ran <= took_part and SCHEDULER._active == 0 and not SCHEDULER._pending
+
+
+def test_ray_members_kv_caches_count_against_the_budget(cluster, tiny_pair):
+    """Each member actor is a device of its own in the KV budget: a request that could not fit
+    is refused naming it, and "auto" fixes one limit per actor from the memory it found free."""
+    tight = Ensemble(tiny_pair, "unite", progress=False, placement="ray", member_resources=RES, kv_budget=4096)
+    with pytest.raises(KVBudgetError, match=r"on ray:tiny_smol0#\d+.*kv_budget"):
+        tight.generate(PROMPT, max_new_tokens=200)
+    local, remote = pair(tiny_pair, "unite", "local"), pair(tiny_pair, "unite", "ray")
+    a, b = local.generate(PROMPT, max_new_tokens=6), remote.generate(PROMPT, max_new_tokens=6)
+    limits = remote.kv_budget.limits()
+    assert set(limits) == {m.kv_device for m in remote.members} and all(v > 2**20 for v in limits.values())
+    for name, st in a.stats["members"].items():  # tiny llama: 2 layers x 2 heads x 8 x K and V x 4 bytes
+        assert b.stats["members"][name]["kv_bytes_per_token"] == st["kv_bytes_per_token"]
+    assert b.stats["members"]["tiny_smol0"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+
+
+def test_ray_members_load_with_their_options(cluster, four_layer_dirs, tmp_path):
+    """Per-member options reach the actor: a member split by max_memory over CPU and disk, and an
+    int8 member (torchao), each give the text the same member gives locally."""
+    import importlib.util
+
+    folder = four_layer_dirs["smol"]  # varied greedy text
+    opts = split_options(folder, tmp_path)
+    split = {"model": folder, "max_memory": dict(opts.max_memory), "offload_folder": opts.offload_folder}
+    specs = [split]
+    if importlib.util.find_spec("torchao") is not None:
+        specs.append({"model": folder, "quantization": "int8"})
+    for spec, key, want in zip(specs, ("placed", "quantized"), (["cpu", "disk"], "torchao")):
+        local = Ensemble([spec], "single", progress=False)
+        remote = Ensemble([spec], "single", progress=False, placement="ray", member_resources=RES).load()
+        assert ray.get(remote.members[0].actor.info.remote())[key] == want  # loaded so in its actor
+        a, b = local.generate(PROMPT, max_new_tokens=12), remote.generate(PROMPT, max_new_tokens=12)
+        assert b.text == a.text and a.text.strip(), spec
 
 
 def test_ray_actor_killed_mid_stream(cluster, tiny_pair):

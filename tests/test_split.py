@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SMOL, greedy, tiny_gemma, tiny_llama
+from helpers import SMOL, greedy
 
 from ensemble_llm.errors import ConfigError
 from ensemble_llm.members import clear_cache, load_member
@@ -14,23 +14,6 @@ from ensemble_llm.members.options import NO_OPTIONS, member_options
 from ensemble_llm.requests import member_spec
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
-
-
-@pytest.fixture(scope="module")
-def four_layer_dirs(tmp_path_factory, tokenizers):
-    """Tiny random-weight 4-layer models with the real tokenizers (room to split between layers)."""
-    from helpers import GEMMA
-
-    torch.manual_seed(1)
-    out = {}
-    for kind, name in (("smol", SMOL), ("gemma", GEMMA)):
-        tok = tokenizers[name]
-        path = tmp_path_factory.mktemp(f"split_{kind}")
-        build = tiny_llama(len(tok), layers=4, init=0.3) if kind == "smol" else tiny_gemma(len(tok), layers=4)
-        build.save_pretrained(path)  # init 0.3: varied greedy text (at 0.02 it repeats one token)
-        tok.save_pretrained(path)
-        out[kind] = str(path)
-    return out
 
 
 def split_options(folder: str, tmp_path, layers_on_cpu: float = 1.5):

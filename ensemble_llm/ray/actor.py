@@ -35,7 +35,7 @@ TOKENIZER_FILE_NAMES = (
     "chat_template.json",
 )
 RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "torch_threads")
-READY_KEPT = 64  # prompt states score_prompt keeps for the prefill that follows (one per request at once)
+READY_KEPT = 32  # prompt states score_prompt keeps for the prefill that follows (one per request at once)
 
 
 def _ray():
@@ -72,15 +72,29 @@ class MemberActor:
     """One member in a Ray worker: the model, its KV states and rows, by handle."""
 
     def __init__(
-        self, spec: str, dtype: str, cache_dir: str | None, trust_remote_code: bool, threads: int | None
+        self,
+        spec: str,
+        dtype: str,
+        cache_dir: str | None,
+        trust_remote_code: bool,
+        threads: int | None,
+        options: Any = None,
     ) -> None:
         from ..members.loader import load_member
 
         if threads:
             torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray shows an actor only its own GPUs
+        # options: the member's MemberOptions (revision, device_map / max_memory over the actor's
+        # own devices, quantization), applied here as a local engine applies them
         self.member = load_member(
-            spec, device=device, dtype=dtype, cache_dir=cache_dir, trust_remote_code=trust_remote_code, progress=False
+            spec,
+            device=device,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            trust_remote_code=trust_remote_code,
+            progress=False,
+            options=options,
         )
         self.objs: dict[int, Any] = {}
         self.scratch: dict[int, list] = {}
@@ -100,7 +114,29 @@ class MemberActor:
             "device": str(m.device),
             "source": m.source,
             "threads": torch.get_num_threads(),
+            "kv_per_token": m.kv_per_token,
+            "free_bytes": self._free_bytes(),
+            "placed": sorted({str(v) for v in (getattr(m, "device_map", None) or {}).values()}),  # a split member
+            "quantized": self._quantized(),
         }
+
+    def _quantized(self) -> str | None:
+        """How the loaded weights are quantized (the model config's quant_method), or None."""
+        qc = getattr(self.member.model.config, "quantization_config", None)
+        if qc is None:
+            return None
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        return str(getattr(method, "value", method))
+
+    def _free_bytes(self) -> int:
+        """Memory free where this actor's KV caches live, now (its weights loaded): the GPU's, or
+        the node's available RAM (the engine's kv_budget takes its "auto" share of it)."""
+        dev = self.member.device
+        if dev.type == "cuda":
+            return int(torch.cuda.mem_get_info(dev)[0])
+        import psutil
+
+        return int(psutil.virtual_memory().available)
 
     def tokenizer_digest(self) -> str:
         """A digest of the member's tokenizer files (names and contents)."""

@@ -18,6 +18,8 @@ from ..members.member import TokenizerView, current_guard, current_tally
 from .actor import MAX_RESTARTS, WAIT_SLICE_S, _ray, payload_bytes
 from .handles import Pending, RemoteByteLM, RemoteRow, RemoteRows, RemoteState, _Handle
 
+_SERIAL = itertools.count(1)
+
 
 class _Count:
     """One request's figures for one member: its forwards, seconds and prefills are counted on the
@@ -56,6 +58,10 @@ class RayMember(TokenizerView):
         self.n_params = int(info["n_params"])
         self.dtype = info["dtype"]  # the actor's torch dtype, as a string
         self.actor_device = info["device"]
+        self.kv_per_token = info.get("kv_per_token")  # KV bytes per token of context, on the actor
+        self.free_bytes = int(info.get("free_bytes") or 0)  # free where its KV lives, once loaded
+        # the KV budget counts this member's caches apart from every other device (its actor's own)
+        self.kv_device = f"ray:{info['name']}#{next(_SERIAL)}"
         self.device = torch.device("cpu")  # where the caller's own (small) tensors live
         self._ids = itertools.count(1)
         self._dead: collections.deque[int] = collections.deque()

@@ -105,6 +105,7 @@ def place_members(
     dtype: Any,
     cache_dir,
     trust_remote_code: bool,
+    options: Sequence[Any] | None = None,
 ) -> list[RayMember]:
     """One actor per member (reused by later engines in this process for the same model and
     resources). Resources the cluster cannot give fail here, before any model loads. Each actor
@@ -114,13 +115,17 @@ def place_members(
     has_gpu = total.get("GPU", 0) > 0
     res = member_resources or [{} for _ in specs]
     bundles = [_bundle(r, has_gpu) for r in res]
-    keys = [(s, repr(sorted(r.items())), str(dtype), str(cache_dir), trust_remote_code) for s, r in zip(specs, res)]
+    opts = list(options or [None] * len(specs))  # each member's MemberOptions, loaded with in its actor
+    keys = [
+        (s, repr(sorted(r.items())), str(dtype), str(cache_dir), trust_remote_code, o)
+        for s, r, o in zip(specs, res, opts)
+    ]
     with _ACTORS_LOCK:
         todo = [i for i, k in enumerate(keys) if k not in _ACTORS or not _alive(_ACTORS[k])]
         if todo:
             _check_room([bundles[i] for i in todo], total)
             pg = _reserve(ray, [bundles[i] for i in todo])
-            made = _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code)
+            made = _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code, opts)
             _ACTORS.update(_collect(ray, pg, made, keys, names, specs, bundles, cache_dir))
         return [_ACTORS[k] for k in keys]
 
@@ -157,7 +162,7 @@ def _reserve(ray, bundles: list[dict]):
     return pg
 
 
-def _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code) -> list[tuple]:
+def _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code, opts) -> list[tuple]:
     """One MemberActor per member in `todo`, each in its bundle of `pg`: (index, actor, info ref)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -175,7 +180,9 @@ def _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_re
             max_task_retries=0,
             name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=j),
-        ).remote(specs[i], str(dtype), None if cache_dir is None else str(cache_dir), trust_remote_code, threads)
+        ).remote(
+            specs[i], str(dtype), None if cache_dir is None else str(cache_dir), trust_remote_code, threads, opts[i]
+        )
         made.append((i, actor, actor.info.remote()))
     return made
 
