@@ -50,14 +50,18 @@ def parse_budget(value: Any) -> int | str | None:
     return int(value)
 
 
-def auto_limit(device: Any) -> int:
-    """What "auto" allows on `device`: a share of its free memory now."""
+def auto_limit(device: Any, free: int | None = None) -> int:
+    """What "auto" allows on `device`: a share of its free memory now (or of `free`: what a Ray
+    actor found free on its device)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        if free is None:
+            free, _ = torch.cuda.mem_get_info(device)
         return int(free * AUTO_CUDA)
+    if free is not None:
+        return int(free * AUTO_CPU)
     import psutil
 
     return int(psutil.virtual_memory().available * AUTO_CPU)
@@ -92,11 +96,8 @@ class KVBudget:
         if device not in self._limits:
             if self.value != "auto":
                 self._limits[device] = int(self.value)
-            elif device in self._free:  # a Ray actor's: the share of what it found free
-                kind, free = self._free[device]
-                self._limits[device] = int(free * (AUTO_CUDA if kind.startswith("cuda") else AUTO_CPU))
-            else:
-                self._limits[device] = auto_limit(device)
+            else:  # a Ray actor's: the share of what it found free on its device
+                self._limits[device] = auto_limit(*self._free.get(device, (device, None)))
         return self._limits[device]
 
     @staticmethod

@@ -121,9 +121,9 @@ def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, mo
     alone = [one.generate(p, raw=True, max_new_tokens=6, stop=["\n"]) for p in prompts]
     scored, forward = [], batching._prefill_forward
 
-    def spy(member, calls):  # how many scored prompts each batched prompt forward carried
+    def spy(member, calls, scoring):  # how many scored prompts each batched prompt forward carried
         scored.append(sum(c.positions is not None for c in calls))
-        return forward(member, calls)
+        return forward(member, calls, scoring)
 
     monkeypatch.setattr(batching, "_prefill_forward", spy)
     before = [m.n_forward for m in many.members]

@@ -267,8 +267,8 @@ def run_prefills(member: Any, calls: list[_Call]) -> None:
             else:
                 c.result = member._extend_own(c.state, c.ids, last_only=True, tally=c.tally)
             return
-        out, cache, valid, pos = _prefill_forward(member, calls)
-        scoring = any(c.positions is not None for c in calls)
+        scoring = any(c.positions is not None for c in calls)  # rows that want logits at their own positions
+        out, cache, valid, pos = _prefill_forward(member, calls, scoring)
         logits = member.head(out[:, -1]) if scoring else out[:, -1]
         RowGroup(member, [c.state for c in calls], (cache, valid, torch.where(valid, pos, -1)))
         width = valid.shape[1]
@@ -285,10 +285,11 @@ def run_prefills(member: Any, calls: list[_Call]) -> None:
             c.result = logp[None]
 
 
-def _prefill_forward(member: Any, calls: list[_Call]) -> tuple:
+def _prefill_forward(member: Any, calls: list[_Call], scoring: bool) -> tuple:
     """The prompts' left-padded forward into a new cache (its pads' KV zeroed): the last
-    position's logits [rows, 1, V], or with a scored prompt among them every position's final
-    hidden state [rows, width, H]; and the cache, the valid columns and their positions."""
+    position's logits [rows, 1, V], or with `scoring` (a scored prompt among them) every
+    position's final hidden state [rows, width, H]; and the cache, the valid columns and their
+    positions."""
     dev, width = member.device, max(len(c.ids) for c in calls)
     tokens = torch.zeros(len(calls), width, dtype=torch.long)
     valid = torch.zeros(len(calls), width, dtype=torch.bool)
@@ -298,7 +299,6 @@ def _prefill_forward(member: Any, calls: list[_Call]) -> tuple:
     tokens, valid = tokens.to(dev), valid.to(dev)
     pos = valid.long().cumsum(-1) - 1
     cache = DynamicCache()
-    scoring = any(c.positions is not None for c in calls)
     out = member._forward(
         tallies=[c.tally for c in calls],
         hidden=scoring,

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ConfigError, GenerationError
 from ..members.bytelm import ByteLM
+from ..members.plan import free_bytes
 from ..members.rows import mask_heal, merge_into, pick_token
 
 log = logging.getLogger("ensemble_llm.ray")
@@ -115,7 +116,7 @@ class MemberActor:
             "source": m.source,
             "threads": torch.get_num_threads(),
             "kv_per_token": m.kv_per_token,
-            "free_bytes": self._free_bytes(),
+            "free_bytes": free_bytes(str(m.device)) or 0,  # where its KV lives, its weights loaded
             "placed": sorted({str(v) for v in (getattr(m, "device_map", None) or {}).values()}),  # a split member
             "quantized": self._quantized(),
         }
@@ -127,16 +128,6 @@ class MemberActor:
             return None
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         return str(getattr(method, "value", method))
-
-    def _free_bytes(self) -> int:
-        """Memory free where this actor's KV caches live, now (its weights loaded): the GPU's, or
-        the node's available RAM (the engine's kv_budget takes its "auto" share of it)."""
-        dev = self.member.device
-        if dev.type == "cuda":
-            return int(torch.cuda.mem_get_info(dev)[0])
-        import psutil
-
-        return int(psutil.virtual_memory().available)
 
     def tokenizer_digest(self) -> str:
         """A digest of the member's tokenizer files (names and contents)."""
@@ -196,7 +187,8 @@ class MemberActor:
         return self.ready.pop(tuple(ids), None)
 
     def op_prefill(self, h: int, r: int, ids: list[int]) -> None:
-        st = self.objs[h] = self._prefilled(ids) or self.member.prefill(ids)
+        st = self._prefilled(ids)
+        st = self.objs[h] = self.member.prefill(ids) if st is None else st
         self.objs[r] = st.next_logprobs[None]
 
     def op_prefills(self, items: list[tuple[int, int, list[int], int | None]]) -> None:
