@@ -144,3 +144,19 @@ def request_weights(
     notes["evidence"] = {m.name: round(e, 3) for m, e in zip(members, evidence)}
     notes["evidence_positions"] = {m.name: len(p) for m, (p, _) in zip(members, plans)}
     return weights, main
+
+
+def solo_member(method, prior: Sequence[float], weights: Sequence[float], main: int) -> int | None:
+    """The member this request runs alone, or None to ensemble. With weights="auto" and the
+    method's `solo` weight s: the main member, when the calibrated prior and this request's
+    weights (its evidence, `request_weights`) both give it at least s. Then the others together
+    hold at most 1 - s everywhere, and every method would follow that member's text almost
+    token for token at the cost of every member's forwards; a strong member paired with weak
+    ones (the trio's Qwen) gets its own answer at its own cost. Both must agree: a prior alone
+    (the calibration's 40 facts) is not this task, and one request's evidence alone is three
+    shots."""
+    s = method.solo_weight()
+    given = method.member_weights()
+    if s is None or not (isinstance(given, str) and given == "auto") or len(weights) < 2:
+        return None
+    return main if prior[main] >= s and weights[main] >= s else None

@@ -16,11 +16,12 @@ import torch
 
 from .chat import chat_stops, member_messages, render_chat, with_preamble
 from .errors import ContextLengthError
-from .evidence import request_weights
+from .evidence import request_weights, solo_member
 from .guide import Guide
 from .kvbudget import KVBudget
 from .members.member import current_guard
 from .methods import Method, Request
+from .methods.single import Single, SingleConfig
 from .requests import Job
 from .results import GenerationResult, ToolCall, Usage
 from .stopping import StopPolicy
@@ -120,11 +121,21 @@ def run_method(
 ) -> MethodRun:
     """The method's run on every member's prompt, once its KV bound fits the engine's `budget`
     (kvbudget.py), under the request's deadline, its text passed through the stop matcher and the
-    tool-markup filter to the caller."""
+    tool-markup filter to the caller. A request whose prior and evidence both give one member the
+    method's `solo` weight runs that member alone (`evidence.solo_member`; stats["solo"])."""
     req, notes = make_request(method, members, job, texts, stops, weights, main)
+    planned, planned_ids = members, req.prompt_ids
+    solo = solo_member(method, weights, req.weights, req.main)
+    if solo is not None:  # one member holds the prior and the evidence: it runs alone
+        method = Single(members, SingleConfig(member=solo))
+        notes["solo"] = members[solo].name
+        for i, m in enumerate(members):
+            if i != solo:
+                m.forget_prompt(req.prompt_ids[i])
+        planned, planned_ids = [members[solo]], [req.prompt_ids[solo]]
     if budget is None:
         return _run(method, job, req, notes, stops, out, cancel)
-    res = budget.plan(members, req.prompt_ids, req.max_new_tokens, method.kv_rows())
+    res = budget.plan(planned, planned_ids, req.max_new_tokens, method.kv_rows())
     with budget.hold(res, current_guard() or job.check_deadline):  # the request's deadline and cancel
         notes["kv_reserved_bytes"], notes["kv_wait_s"] = sum(budget.bound([res]).values()), round(res.waited_s, 4)
         return _run(method, job, req, notes, stops, out, cancel)

@@ -8,10 +8,13 @@ import math
 
 import pytest
 import torch
+from helpers import GEMMA, SMOL
 
-from ensemble_llm import Ensemble
-from ensemble_llm.evidence import FLOOR, answer_spans, chat_spans, posterior, span_positions
+from ensemble_llm import ConfigError, Ensemble
+from ensemble_llm.bench import load_task, resolve_task
+from ensemble_llm.evidence import FLOOR, answer_spans, chat_spans, posterior, solo_member, span_positions
 from ensemble_llm.members import batching
+from ensemble_llm.methods import get_method
 
 FEW_SHOT = "Q: The capital of France is\nA: Paris\nQ: The capital of Japan is\nA: Tokyo\nQ: The capital of Peru is\nA:"
 
@@ -137,3 +140,67 @@ def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, mo
     ran = sum(m.n_forward for m in many.members) - sum(before)
     took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
     assert ran < took_part
+
+
+# ---- solo: a member that holds the prior and the evidence runs alone -----------------------------------
+@pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
+def test_solo_member_needs_auto_weights_and_both_prior_and_evidence(method):
+    cls = get_method(method)
+    m = cls([], cls.make_config({"solo": 0.9}))
+    assert solo_member(m, [0.95, 0.05], [0.97, 0.03], 0) == 0
+    assert solo_member(m, [0.95, 0.05], [0.9, 0.1], 0) == 0  # at the threshold
+    assert solo_member(m, [0.85, 0.15], [0.97, 0.03], 0) is None  # the prior alone is not enough
+    assert solo_member(m, [0.95, 0.05], [0.85, 0.15], 0) is None  # nor the prior without the evidence
+    assert solo_member(m, [0.95, 0.05], [0.97, 0.03], 1) is None  # only the main member (a given drafter wins)
+    assert solo_member(m, [0.02, 0.01, 0.97], [0.0, 0.05, 0.95], 2) == 2
+    off = cls([], cls.make_config({"solo": None}))
+    assert solo_member(off, [0.999, 0.001], [0.999, 0.001], 0) is None
+    fixed = cls([], cls.make_config({"solo": 0.9, "weights": [0.999, 0.001]}))
+    assert solo_member(fixed, [0.999, 0.001], [0.999, 0.001], 0) is None  # given weights: always the ensemble
+    assert cls.make_config(None).solo == 0.99
+
+
+@pytest.mark.parametrize("bad", [0.5, 0.3, 1.5, True, "high", float("nan")])
+@pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
+def test_bad_solo_is_refused_naming_the_field(method, bad):
+    with pytest.raises(ConfigError, match=r"\.solo must be None"):
+        get_method(method).make_config({"solo": bad})
+
+
+@pytest.fixture(scope="module")
+def plural_prompt():
+    shots, exs = load_task(*resolve_task("plural", 1))
+    return shots + f"Q: {exs[0]['input']}\nA:"
+
+
+@pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
+def test_a_dominant_member_runs_alone_with_its_own_text_and_cost(real_dirs, plural_prompt, method, monkeypatch):
+    """Plural shots favour SmolLM2 (raw prior 0.65, its evidence lifts it past 0.9): with solo at
+    0.6 the request is SmolLM2's own decode (its text, no other member's forward after the scoring
+    prefill, the other member's scored state dropped); at the default 0.99 it is the ensemble."""
+    smol, gemma = real_dirs[SMOL], real_dirs[GEMMA]
+    cfg = {"solo": 0.6, **({"n_particles": 2} if method == "smc" else {})}
+    eng = Ensemble([smol, gemma], method=method, config=cfg).load()
+    dropped, forget = [], type(eng.members[1]).forget_prompt
+
+    def spy(self, ids):  # in the request's thread: the scored state is there before, gone after
+        before = getattr(self._ready, "state", None)
+        forget(self, ids)
+        dropped.append((self.name, before is not None and before.ids == ids, getattr(self._ready, "state", None)))
+
+    monkeypatch.setattr(type(eng.members[1]), "forget_prompt", spy)
+    prior, _ = eng.member_weights("raw")
+    assert prior[0] >= 0.6 > prior[1]
+    alone = Ensemble([smol], method="single").generate(plural_prompt, raw=True, max_new_tokens=8, stop=["\n"])
+    res = eng.generate(plural_prompt, raw=True, max_new_tokens=8, stop=["\n"])
+    w = list(res.stats["member_weights"].values())
+    assert w[0] >= 0.6 and res.stats["solo"] == eng.members[0].name == res.stats["main_member"]
+    assert res.text == alone.text and res.usage.completion_tokens == alone.usage.completion_tokens
+    figs = list(res.stats["members"].values())
+    assert figs[1] == {**figs[1], "forward_passes": 1, "prefills": 1}  # its scoring prefill only
+    assert figs[0]["prefills"] == 1  # the scored prompt's state was handed over
+    assert dropped == [(eng.members[1].name, True, None)]  # its scored state is not left behind
+    if method == "unite":  # the default solo weight is not reached on the pair: the ensemble runs
+        ens = Ensemble([smol, gemma], method="unite").load()
+        r2 = ens.generate(plural_prompt, raw=True, max_new_tokens=8, stop=["\n"])
+        assert "solo" not in r2.stats and list(r2.stats["members"].values())[1]["forward_passes"] > 1

@@ -211,7 +211,8 @@ def _speed(engines: dict[str, Ensemble], speed_prompts: int, max_new_tokens: int
             s["peak"] = max(s["peak"], mem.peak)
             for name, f in r.stats["members"].items():
                 s["fwd"][name] = s["fwd"].get(name, 0) + f["forward_passes"]
-            s["extra"].append(r.run_stats)
+            if isinstance(r.run_stats, eng.method_class.stats_class):  # not a request a member ran alone
+                s["extra"].append(r.run_stats)
             bar.update()
             bar.set_postfix_str(f"speed: {key}")
     return speed
@@ -224,6 +225,7 @@ def _task_quality(engines: dict[str, Ensemble], task: str, shots: str, exs: list
     budget = CHAT_TOKENS if chat else min(64, longest + 4)
     right = dict.fromkeys(engines, 0)
     repeating = dict.fromkeys(engines, 0)
+    solo = dict.fromkeys(engines, 0)  # requests a dominant member ran alone (evidence.solo_member)
     seconds = dict.fromkeys(engines, 0.0)
     samples: dict[str, list] = {k: [] for k in engines}
     hits: dict[str, list[int]] = {k: [] for k in engines}  # per example, for the paired bootstrap
@@ -239,6 +241,7 @@ def _task_quality(engines: dict[str, Ensemble], task: str, shots: str, exs: list
             seconds[key] += res.stats["time_s"]
             ok = contains_answer(out, ex["targets"]) if chat else norm(out) in gold
             repeating[key] += chat and repeats(out)
+            solo[key] += "solo" in res.stats
             right[key] += ok
             hits[key].append(int(ok))
             if len(samples[key]) < 3:
@@ -253,6 +256,7 @@ def _task_quality(engines: dict[str, Ensemble], task: str, shots: str, exs: list
         "correct": right,
         "repeating": repeating if chat else None,
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "solo": solo,
         "samples": samples,
         "hits": hits,
     }
@@ -276,6 +280,7 @@ def _method_row(spec: MethodSpec, eng: Ensemble, s: dict, quality: dict, results
         "correct": {t: q["correct"][spec.label] for t, q in quality.items()},
         "repeating": {t: q["repeating"][spec.label] for t, q in quality.items() if q["chat"]},
         "task_seconds": {t: q["seconds"][spec.label] for t, q in quality.items()},
+        "solo_requests": {t: q["solo"][spec.label] for t, q in quality.items() if q["solo"][spec.label]},
         "speed_seconds": round(s["time"], 2),
     }
     if quality:

@@ -316,6 +316,12 @@ class Member(TokenizerView):
         self._ready.state = state
         return scores
 
+    def forget_prompt(self, ids: Sequence[int]) -> None:
+        """Drop the state `score_prompt` kept for `ids` (a request that will not prefill here)."""
+        ready = getattr(self._ready, "state", None)
+        if ready is not None and ready.ids == [int(i) for i in ids]:
+            self._ready.state = None
+
     def _score_prompt_own(self, state: KVState, ids: list[int], positions: list[int], tally=None) -> list[float]:
         rows = [p - 1 for p in positions] + [len(ids) - 1]
         x = torch.tensor([ids], dtype=torch.long, device=self.device)

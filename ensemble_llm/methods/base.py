@@ -34,6 +34,18 @@ from ..errors import ConfigError
 from ..members import TokenLM
 from ..stopping import StopPolicy
 
+# weights="auto": a request where the calibrated prior AND the request's own evidence both give
+# one member at least this weight runs that member alone (`evidence.solo_member`): the ensemble
+# would follow it anyway, at the cost of every member. No pair weights reach it (the prior is
+# 0.65 / 0.35 for raw prompts, 0.29 / 0.71 for chat); the trio's raw prior gives Qwen 1.00.
+SOLO = 0.99
+
+
+def check_solo(value, owner: str) -> None:
+    """`solo`: None (always ensemble) or a weight in (0.5, 1] (see `evidence.solo_member`)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.5 < value <= 1.0):
+        raise ConfigError(f"{owner}.solo must be None (always ensemble) or a number in (0.5, 1], got {value!r}")
+
 
 @dataclass
 class RunStats:
@@ -123,6 +135,10 @@ class Method(abc.ABC):
     def member_weights(self) -> list[float] | str | None:
         """The config's member weights: "auto", None (uniform) or a list."""
         return getattr(self.config, "weights", None)
+
+    def solo_weight(self) -> float | None:
+        """The weight at which one member runs alone (config `solo`; None: always ensemble)."""
+        return getattr(self.config, "solo", None)
 
     @abc.abstractmethod
     def run(self, req: Request) -> Iterator[str]:

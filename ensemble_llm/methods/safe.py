@@ -30,7 +30,7 @@ import torch
 from ..errors import ConfigError
 from ..members.rows import pick_token, query_async, take_async
 from .align import EOS, VocabIndex, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
-from .base import Method, Request
+from .base import SOLO, Method, Request, check_solo
 from .text import Utf8Releaser
 from .unite import UniteStats, check_ensemble_members, check_main, check_weights
 
@@ -53,9 +53,11 @@ class SafeConfig:
     # `lookahead` is the start and `max_lookahead` the cap. False keeps `lookahead` fixed.
     adaptive: bool = True
     max_lookahead: int = 16
+    solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
 
     def __post_init__(self) -> None:
         check_main(self.drafter, "SafeConfig.drafter")
+        check_solo(self.solo, "SafeConfig")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 64:
             raise ConfigError(f"SafeConfig.lookahead must be an integer in [1, 64], got {self.lookahead!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:

@@ -38,7 +38,7 @@ from ..members.batching import SCHEDULER
 from ..members.member import current_guard, current_tally, forward_guard
 from ..members.rows import pick_token
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
-from .base import Method, Request, RunStats
+from .base import SOLO, Method, Request, RunStats, check_solo
 from .text import Utf8Releaser
 from .unite import check_ensemble_members, check_weights
 
@@ -53,8 +53,10 @@ class SpecFuseConfig:
     hedge_lr: float = 1.0
     exit_threshold: float | None = None
     weights: list[float] | str | None = "auto"  # initial member weights: "auto" (calibrated), None (uniform), a list
+    solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
 
     def __post_init__(self) -> None:
+        check_solo(self.solo, "SpecFuseConfig")
         if not isinstance(self.segment_len, int) or self.segment_len < 1:
             raise ConfigError(f"SpecFuseConfig.segment_len must be an integer >= 1, got {self.segment_len!r}")
         if self.score not in SCORES:

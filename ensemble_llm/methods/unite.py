@@ -18,7 +18,7 @@ import torch
 from ..errors import ConfigError
 from ..members.rows import pick_token
 from .align import EOS, start_members, union_distribution, valid_utf8_prefix, vocab_index
-from .base import Method, Request, RunStats
+from .base import SOLO, Method, Request, RunStats, check_solo
 from .text import Utf8Releaser
 
 
@@ -61,12 +61,14 @@ class UniteConfig:
     top_k: int = 10
     weights: list[float] | str | None = "auto"  # "auto" (calibrated), None (uniform) or one per member
     primary: int | None = None  # the member whose tokens carry the text; None: the strongest
+    solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:
             raise ConfigError(f"UniteConfig.top_k must be an integer in [1, 1000], got {self.top_k!r}")
         check_main(self.primary, "UniteConfig.primary")
         check_weights(self.weights, None, "UniteConfig")
+        check_solo(self.solo, "UniteConfig")
 
 
 @dataclass

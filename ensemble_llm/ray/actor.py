@@ -276,6 +276,9 @@ class MemberActor:
             self.ready.popitem(last=False)
         return out
 
+    def op_forget_prompt(self, ids: list[int]) -> None:
+        self.ready.pop(tuple(ids), None)
+
     def op_target_logprob(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         return self.member.target_logprob(prompt_ids, target_ids)
 

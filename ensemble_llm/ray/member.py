@@ -287,6 +287,10 @@ class RayMember(TokenizerView):
             ref = self._forward("score_prompt", [int(i) for i in ids], [int(p) for p in positions])
             return Pending(self, ref).get()
 
+    def forget_prompt(self, ids: Sequence[int]) -> None:
+        """Drop the state `score_prompt` left on the actor for `ids` (sent, not waited for)."""
+        self._submit("forget_prompt", [int(i) for i in ids], count=False)
+
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
         with SCHEDULER.own_forward():
             return Pending(
