@@ -152,11 +152,45 @@ def test_ray_requests_at_once_share_the_actors_forwards(cluster, tiny_dirs, meth
             assert b.stats["members"][name]["prefills"] == st["prefills"], name
     ran = sum(m.n_forward for m in many.members) - sum(before)
     took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
-    if method != "smc":  # smc's byte LMs run on the actors one request at a time
-        # batched: 0.41 to 0.56 of them here; with the extends sent one by one (only the prompts
-        # batched) 0.94 to 0.97
-        assert ran < 0.75 * took_part
+    # batched: 0.41 to 0.56 of them here; with the extends sent one by one (only the prompts
+    # batched) 0.94 to 0.97; smc 0.48 to 0.53, and 1.0 with its byte LMs asked one request at a time
+    assert ran < 0.75 * took_part
     assert ran <= took_part and SCHEDULER._active == 0 and not SCHEDULER._pending
+
+
+FEW_SHOT = "Q: The capital of France is\nA: Paris\nQ: The capital of Japan is\nA: Tokyo\nQ: The capital of {} is\nA:"
+
+
+def test_ray_few_shot_requests_at_once_score_their_prompts_together(cluster, tiny_pair, monkeypatch):
+    """Per-request weights through the actors: four few-shot requests at once get their local
+    one-at-a-time evidence, weights, texts, forwards and prefills (each scored prompt runs once
+    and is handed to the prefill that follows on its actor), and the scorings share forwards."""
+    from ensemble_llm.ray import member as ray_member
+
+    prompts = [FEW_SHOT.format(c) for c in ("Peru", "Chile", "Italy", "Kenya")]
+    one = Ensemble(tiny_pair, "unite", max_batch=1, progress=False)
+    many = Ensemble(tiny_pair, "unite", max_batch=4, progress=False, placement="ray", member_resources=RES).load()
+    alone = [one.generate(p, raw=True, max_new_tokens=6, stop=["\n"]) for p in prompts]
+    scored, run_batch = [], ray_member.RayMember.run_batch
+
+    def spy(self, kind, calls):  # how many scored prompts each batched actor call carried
+        scored.append(sum(getattr(c, "positions", None) is not None for c in calls))
+        return run_batch(self, kind, calls)
+
+    monkeypatch.setattr(ray_member.RayMember, "run_batch", spy)
+    before = [m.n_forward for m in many.members]
+    together = many.generate_many(prompts, raw=True, max_new_tokens=6, stop=["\n"])
+    assert max(scored) >= 2  # several requests' scorings in one actor call
+    for a, b in zip(alone, together):
+        assert b.text == a.text
+        assert b.stats["evidence"] == pytest.approx(a.stats["evidence"], abs=2e-3)
+        assert b.stats["member_weights"] == pytest.approx(a.stats["member_weights"], abs=1e-3)
+        for name, st in a.stats["members"].items():
+            assert b.stats["members"][name]["forward_passes"] == st["forward_passes"], name
+            assert b.stats["members"][name]["prefills"] == st["prefills"] == 1, name
+    ran = sum(m.n_forward for m in many.members) - sum(before)
+    took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
+    assert ran < took_part
 
 
 def test_ray_members_kv_caches_count_against_the_budget(cluster, tiny_pair):

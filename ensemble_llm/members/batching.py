@@ -33,8 +33,10 @@ not wait for them (ray/member.py).
 The prompt scoring of per-request weights (`score_prompt`: log-probs at the shown answers'
 positions, from the prompt's own prefill) joins the prompt batches too: that forward returns the
 final hidden states, and each scoring row gets the output layer at its own positions
-(`Member.head`, checked once per member against the model's own logits). Not batched: smc's byte
-LMs in Ray actors, and score_prompt through Ray.
+(`Member.head`, checked once per member against the model's own logits). Through Ray, a scored
+prompt is an item of the actor's prompt batch (`op_prefills`), and smc's byte LMs of several
+requests are one actor call a step whose new contexts run in one tree forward there
+(`bytelm.next_logprobs_many`); each request's forwards are counted on the actor for it alone.
 """
 
 from __future__ import annotations

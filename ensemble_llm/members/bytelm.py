@@ -151,16 +151,28 @@ class ByteLM:
 
     def materialize(self, ctxs: list[Context]) -> None:
         """Compute log p(. | ctx) for contexts that lack it: one batched forward over all of them."""
+        todo = self._todo(ctxs)
+        if todo:
+            logits, kvs = self.member.forward_rows(*self._tree(todo))
+            self._apply(todo, logits, kvs)
+
+    @staticmethod
+    def _todo(ctxs: list[Context]) -> list[Context]:
+        """The distinct contexts of `ctxs` that lack their distribution."""
         todo, seen = [], set()
         for c in ctxs:
             if c.cs is None and id(c) not in seen:
                 seen.add(id(c))
                 todo.append(c)
-        if not todo:
-            return
         # every parent is computed before its children (the beam only ever adds one token)
         assert all(c.parent.parent is None or c.parent.kv is not None for c in todo)
-        logits, kvs = self.member.forward_rows(self.prefix_kv, [c.parent.path() for c in todo], [c.token for c in todo])
+        return todo
+
+    def _tree(self, todo: list[Context]) -> tuple:
+        """The `forward_rows` call that computes `todo`: (prefix_kv, paths, tokens)."""
+        return self.prefix_kv, [c.parent.path() for c in todo], [c.token for c in todo]
+
+    def _apply(self, todo: list[Context], logits: torch.Tensor, kvs: list[torch.Tensor]) -> None:
         for c, kv in zip(todo, kvs):
             c.kv = kv
         self._fill(todo, logits)
@@ -252,13 +264,19 @@ class ByteLM:
 
     def next_logprobs(self, beams: Sequence[Beam]) -> np.ndarray:
         """log p(b | x) for every beam, [len(beams), 257]; all new contexts in one forward."""
+        self.materialize(self._needed(beams))
+        return self._answers(beams)
+
+    def _needed(self, beams: Sequence[Beam]) -> list[Context]:
+        """The contexts the beams' candidates stand on that lack their distribution."""
         need = []
         for beam in beams:
             if beam.cands is None:
                 beam.cands = self._candidates(beam)
                 need += [h.ctx for h in beam.cands if h.ctx.cs is None]
-        if need:
-            self.materialize(need)
+        return self._todo(need)
+
+    def _answers(self, beams: Sequence[Beam]) -> np.ndarray:
         out = np.empty((len(beams), 257))
         for i, beam in enumerate(beams):
             if beam.logq is None:
@@ -310,6 +328,22 @@ class ByteLM:
         node = self.trie.node(last)
         m = ctx.mass(node.lo, node.hi)
         return [Hyp(ctx, last, lp, lp + math.log(m))] if m > 0 else []
+
+
+def next_logprobs_many(asks: Sequence[tuple[ByteLM, Sequence[Beam]]], tallies: list | None = None) -> list[np.ndarray]:
+    """`ByteLM.next_logprobs` for several byte LMs of ONE member (several requests' smc), every
+    new context of all of them in one tree-attention forward (`Member.rows_many`). This is how a
+    member's actor batches smc's steps: the requests are in the caller, their byte LMs here."""
+    todos = [lm._needed(beams) for lm, beams in asks]
+    live = [i for i, todo in enumerate(todos) if todo]
+    if live:
+        member = asks[live[0]][0].member
+        outs = member.rows_many(
+            [asks[i][0]._tree(todos[i]) for i in live], None if tallies is None else [tallies[i] for i in live]
+        )
+        for i, (logits, kvs) in zip(live, outs):
+            asks[i][0]._apply(todos[i], logits, kvs)
+    return [lm._answers(beams) for lm, beams in asks]
 
 
 def byte_trie(member: Member) -> VocabTrie:

@@ -26,8 +26,10 @@ the actor with the next call. Payload bytes both ways are counted per member (`b
 Concurrent requests batch across the actors: the caller's step scheduler (members/batching.py)
 sends a Ray member's step, the prompts or the extends and scorings of several requests, as one
 call (`RayMember.run_batch`), and the actor runs it as one batched forward on its states
-(`MemberActor.op_prefills` / `op_step`). Each request's forwards are counted on the actor under
-a handle of the request, so its stats stay its own while others run beside it.
+(`MemberActor.op_prefills` / `op_step`; prompts scored for per-request weights are items of the
+prompt batch, and smc's byte LMs of several requests are one `op_bytelm_next_many` call). Each
+request's forwards are counted on the actor under a handle of the request, so its stats stay its
+own while others run beside it.
 
 Faults: a dead actor (killed, out of memory) fails the request with a `GenerationError` naming
 the member; Ray restarts it (`max_restarts`) and the next request runs on the fresh actor. The

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, GenerationError
-from ..members.bytelm import ByteLM
+from ..members.bytelm import ByteLM, next_logprobs_many
 from ..members.plan import free_bytes
 from ..members.rows import mask_heal, merge_into, pick_token
 
@@ -69,6 +69,19 @@ def payload_bytes(obj: Any) -> int:
 
 
 # ---- the actor ---------------------------------------------------------------------------------
+class _TagCount:
+    """A request's count on the actor (`MemberActor.call`'s tags) in the form of a `Tally`."""
+
+    __slots__ = ("objs", "tag")
+
+    def __init__(self, objs: dict, tag: int) -> None:
+        self.objs, self.tag = objs, tag
+
+    def add(self, member: Any, n: int = 1, seconds: float = 0.0, prefills: int = 0) -> None:
+        c = self.objs.setdefault(self.tag, [0, 0.0, 0])
+        c[0], c[1], c[2] = c[0] + n, c[1] + seconds, c[2] + prefills
+
+
 class MemberActor:
     """One member in a Ray worker: the model, its KV states and rows, by handle."""
 
@@ -191,25 +204,43 @@ class MemberActor:
         st = self.objs[h] = self.member.prefill(ids) if st is None else st
         self.objs[r] = st.next_logprobs[None]
 
-    def op_prefills(self, items: list[tuple[int, int, list[int], int | None]]) -> None:
+    def op_prefills(self, items: list[tuple]) -> list:
         """Several requests' prompts in one forward (batching.run_prefills): (state handle, rows
-        handle, ids, the request's count handle) each."""
+        handle, ids, the request's count handle, None) each, or for a prompt scored for its
+        request's weights (score_prompt) (None, None, ids, count handle, positions): its scores
+        come back and its state waits in `ready` for the prefill that follows. Each request's
+        forwards and prefills count for it alone (a prompt scored before needs no forward)."""
         from ..members.batching import _Call, run_prefills
 
-        m, calls = self.member, []
-        for h, _, ids, tag in items:
-            st = self._prefilled(ids)
+        m, calls, scored, out = self.member, [], {}, [None] * len(items)
+        for i, (h, _, ids, tag, positions) in enumerate(items):
+            st = None if positions is not None else self._prefilled(ids)
             if st is None:
                 st = m.new_state()
-                calls.append(_Call(m, st, -1, None, ids=ids))
                 m._count_prefill()
-                if tag is not None:
-                    self.objs.setdefault(tag, [0, 0.0, 0])[2] += 1
-            self.objs[h] = st
+                count = None if tag is None else _TagCount(self.objs, tag)
+                if count is not None:
+                    count.add(m, 0, 0.0, 1)
+                if positions is not None and not m.head_splits():  # its head differs: scored alone
+                    out[i] = m._score_prompt_own(st, ids, positions, tally=count)
+                else:
+                    calls.append(_Call(m, st, -1, count, ids=ids, positions=positions))
+                    scored[id(calls[-1])] = i if positions is not None else None
+            if positions is not None:
+                self.ready[tuple(ids)] = st  # for the prefill that follows
+                while len(self.ready) > READY_KEPT:
+                    self.ready.popitem(last=False)
+            else:
+                self.objs[h] = st
         if calls:
             run_prefills(m, calls)
-        for h, r, _, _ in items:
-            self.objs[r] = self.objs[h].next_logprobs[None]
+        for c in calls:
+            if scored[id(c)] is not None:
+                out[scored[id(c)]] = c.result
+        for h, r, _, _, positions in items:
+            if positions is None:
+                self.objs[r] = self.objs[h].next_logprobs[None]
+        return out
 
     def op_step(self, items: list[tuple]) -> list:
         """One batched step of several requests' extends and in-line scorings (batching.run_step):
@@ -340,6 +371,13 @@ class MemberActor:
 
     def op_bytelm_next(self, L: int, beams: list[int]) -> np.ndarray:
         return self._state(L).next_logprobs([self._state(b) for b in beams])
+
+    def op_bytelm_next_many(self, items: list[tuple[int, list[int], int | None]]) -> list[np.ndarray]:
+        """One step of several requests' byte LMs (the caller's step scheduler): (byte LM, beams,
+        the request's count handle) each; their new contexts in one forward, which counts for
+        the requests that needed one (a byte LM whose contexts are all known runs none)."""
+        asks = [(self._state(L), [self._state(b) for b in beams]) for L, beams, _ in items]
+        return next_logprobs_many(asks, [None if tag is None else _TagCount(self.objs, tag) for _, _, tag in items])
 
     def op_bytelm_advance(self, L: int, pairs: list[tuple[int, int, int]]) -> list[int]:
         lm, out = self._state(L), []

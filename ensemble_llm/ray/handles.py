@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from ..members.batching import SCHEDULER
+from ..members.member import current_guard, current_tally
+
 if TYPE_CHECKING:  # annotations only: member.py imports this module
     from .member import RayMember
 
@@ -203,6 +206,12 @@ class RemoteByteLM:
         self._flush()
         uniq: dict[int, int] = {}
         index = [uniq.setdefault(b.handle.id, len(uniq)) for b in beams]
+        if SCHEDULER.batching():  # with the other requests' byte LMs of this member: one actor call, one forward
+            check = current_guard()
+            if check is not None:
+                check()
+            part = SCHEDULER.rows(self.member, ("bytelm", self.handle.id, list(uniq)), current_tally(), guard=check)
+            return _Rows(part, index)
         return _Rows(self.member._ask("bytelm_next", self.handle.id, list(uniq)), index)
 
     def next_logprobs(self, beams: Sequence[RemoteBeam]) -> np.ndarray:

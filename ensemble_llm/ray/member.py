@@ -282,10 +282,18 @@ class RayMember(TokenizerView):
             state.scored = None
 
     def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
-        """`Member.score_prompt` on the actor: the prompt's state stays there for the next prefill."""
+        """`Member.score_prompt` on the actor: the prompt's state stays there for the next prefill.
+        While other requests run, it joins their prompts' step (one forward on the actor)."""
+        ids, positions = [int(i) for i in ids], [int(p) for p in positions]
+        if not ids:
+            raise ValueError("score_prompt() needs at least one token id")
+        if SCHEDULER.batching():
+            check = current_guard()
+            if check is not None:
+                check()
+            return SCHEDULER.prefill(self, None, ids, current_tally(), guard=check, positions=positions).get()
         with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
-            ref = self._forward("score_prompt", [int(i) for i in ids], [int(p) for p in positions])
-            return Pending(self, ref).get()
+            return Pending(self, self._forward("score_prompt", ids, positions)).get()
 
     def forget_prompt(self, ids: Sequence[int]) -> None:
         """Drop the state `score_prompt` left on the actor for `ids` (sent, not waited for)."""
@@ -305,12 +313,19 @@ class RayMember(TokenizerView):
         request). Their forwards count for each request in the step."""
         counts = [self._of(c.tally) for c in calls]
         tags = tuple(n.handle.id for n in counts if n is not None)
-        if kind == "prefill":
+        if kind == "prefill":  # prompts, and prompts scored for their request's weights (score_prompt)
             items = []
             for c, n in zip(calls, counts):
+                tag = None if n is None else n.handle.id
+                if c.positions is not None:
+                    items.append((None, None, list(c.ids), tag, list(c.positions)))
+                    continue
                 c.result = RemoteRows(self, 1)
-                items.append((c.state.handle.id, c.result.handle.id, list(c.ids), None if n is None else n.handle.id))
-            ref = self._submit("prefills", items, count=False, tags=tags)
+                items.append((c.state.handle.id, c.result.handle.id, list(c.ids), tag, None))
+            ref = self._submit("prefills", items, count=False, tags=())  # counted per request there
+            for i, c in enumerate(calls):
+                if c.positions is not None:
+                    c.result = _Part(self, ref, i)
         elif kind == "step":
             items = []
             for c in calls:
@@ -323,6 +338,12 @@ class RayMember(TokenizerView):
             for i, c in enumerate(calls):
                 if c.cands is not None:
                     c.result = _Part(self, ref, i)
+        elif kind == "tree" and all(c.tree[0] == "bytelm" for c in calls):  # smc: requests' byte LMs
+            # each request's forwards are counted on the actor, for those whose contexts needed one
+            items = [(c.tree[1], c.tree[2], None if n is None else n.handle.id) for c, n in zip(calls, counts)]
+            ref = self._submit("bytelm_next_many", items, count=False, tags=())
+            for i, c in enumerate(calls):
+                c.result = _Part(self, ref, i)
         else:
             raise ValueError(f"a member in a Ray actor does not batch {kind!r} calls")
         for n, item in zip(counts, items):  # each request's items count for it
