@@ -136,10 +136,26 @@ def request_weights(
         if not positions:
             return prior, main
         plans.append((positions, len(spans)))
-    # each shown answer is one observation of a member's competence: the mean log-prob per answer
-    evidence = [float(sum(m.score_prompt(ids, pos))) / n for m, ids, (pos, n) in zip(members, prompt_ids, plans)]
-    weights = posterior(prior, evidence)
+
+    def score(k: int) -> float:  # each shown answer is one observation: the mean log-prob per answer
+        positions, n = plans[k]
+        return float(sum(members[k].score_prompt(prompt_ids[k], positions))) / n
+
     given_main = method.main_member()
+    evidence: list[float | None] = [None] * len(members)
+    solo = method.solo_weight()
+    if solo is not None and prior[main] >= solo:
+        # the others' evidence is a log-probability, at most 0: if the main member keeps the solo
+        # weight even against that, no evidence of theirs can change that it runs alone
+        # (`solo_member`), and their prompts are not scored (their weights are upper bounds)
+        evidence[main] = score(main)
+        bound = posterior(prior, [0.0 if e is None else e for e in evidence])
+        if bound[main] >= solo:
+            notes["evidence"] = {members[main].name: round(evidence[main], 3)}
+            notes["evidence_positions"] = {members[main].name: len(plans[main][0])}
+            return bound, main
+    evidence = [score(k) if e is None else e for k, e in enumerate(evidence)]
+    weights = posterior(prior, evidence)
     main = given_main if given_main is not None else max(range(len(members)), key=lambda i: (weights[i], -i))
     notes["evidence"] = {m.name: round(e, 3) for m, e in zip(members, evidence)}
     notes["evidence_positions"] = {m.name: len(p) for m, (p, _) in zip(members, plans)}

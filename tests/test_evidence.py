@@ -12,7 +12,15 @@ from helpers import GEMMA, SMOL
 
 from ensemble_llm import ConfigError, Ensemble
 from ensemble_llm.bench import load_task, resolve_task
-from ensemble_llm.evidence import FLOOR, answer_spans, chat_spans, posterior, solo_member, span_positions
+from ensemble_llm.evidence import (
+    FLOOR,
+    answer_spans,
+    chat_spans,
+    posterior,
+    request_weights,
+    solo_member,
+    span_positions,
+)
 from ensemble_llm.members import batching
 from ensemble_llm.methods import get_method
 
@@ -204,3 +212,45 @@ def test_a_dominant_member_runs_alone_with_its_own_text_and_cost(real_dirs, plur
         ens = Ensemble([smol, gemma], method="unite").load()
         r2 = ens.generate(plural_prompt, raw=True, max_new_tokens=8, stop=["\n"])
         assert "solo" not in r2.stats and list(r2.stats["members"].values())[1]["forward_passes"] > 1
+
+
+def test_solo_scores_only_the_main_member_when_no_evidence_could_change_it(tiny_members):
+    """A prior that already gives the main member the solo weight: its own evidence is scored,
+    and if it keeps the solo weight even against others whose evidence were 0 (a log-prob's
+    maximum), the others' prompts are not scored; the decision is the full posterior's."""
+    members = [tiny_members["smol"], tiny_members["gemma"]]
+    ids = [m.prompt_ids(FEW_SHOT) for m in members]
+    unite = get_method("unite")
+
+    def weights(prior, solo):
+        before = [m.counters()[2] for m in members]
+        notes = {}
+        w, main = request_weights(
+            unite(members, unite.make_config({"solo": solo})),
+            members,
+            FEW_SHOT,
+            True,
+            [FEW_SHOT] * 2,
+            ids,
+            prior,
+            0,
+            notes,
+        )
+        for m, i in zip(members, ids):
+            m.forget_prompt(i)
+        return w, main, notes, [m.counters()[2] - b for m, b in zip(members, before)]
+
+    e = list(weights([0.5, 0.5], None)[2]["evidence"].values())  # each member's own evidence
+    for margin, alone in ((10.0, True), (0.0, False)):  # the other's prior: e^(e_main - margin)
+        prior = [1.0, math.exp(e[0] - margin)]
+        prior = [p / sum(prior) for p in prior]
+        w, main, notes, scored = weights(prior, 0.99)
+        full = posterior(prior, e)
+        assert main == 0 and (w[0] >= 0.99) == (full[0] >= 0.99)  # the full posterior's decision
+        if alone:  # settled by the bound: the other's prompt is not scored; its weight is its upper bound
+            assert scored == [1, 0] and list(notes["evidence"]) == [members[0].name]
+            assert w == pytest.approx(posterior(prior, [e[0], 0.0]), abs=1e-6)
+        else:  # the bound could not settle it: everyone scored, the main member once
+            assert scored == [1, 1] and w == pytest.approx(full, abs=1e-3)
+    w, _, _, scored = weights(prior, None)  # solo off: everyone scored
+    assert scored == [1, 1]
