@@ -62,6 +62,9 @@ def _row_cells(label: str, r: dict, results: dict, tasks: list[str]) -> list[str
     figs = []
     for kind, wk in r.get("weights_by_kind", {}).items():
         figs.append(f"{kind} w " + "/".join(f"{w:.2f}" for w in wk["weights"].values()) + f" (main {wk['main']})")
+    if r.get("solo_requests"):  # requests a dominant member ran alone (evidence.solo_member)
+        total = sum(results["examples_per_task"].get(t, 0) for t in tasks)
+        figs.append(f"solo {sum(r['solo_requests'].values())}/{total}")
     if "ensembled_fraction" in r:
         figs.append(f"E/T {r['ensembled_fraction']:.0%}")
     if "hedge_weights_mean" in r:
