@@ -87,7 +87,8 @@ def markdown(res: dict) -> str:
         d, b = r["left_out_vs_method"], r["left_out_vs_best_member"]
         lines.append(
             f"| {m} | {r['method_correct']}/{r['examples']} | {best[0]} ({best[1]}) | {r['left_out_correct']} | "
-            f"{d['diff']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}] | {b['diff']:+.2f} [{b['low']:+.2f}, {b['high']:+.2f}] |"
+            f"{d['diff']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}] | "
+            f"{b['diff']:+.2f} [{b['low']:+.2f}, {b['high']:+.2f}] |"
         )
     lines += ["", "Weights per task (the shots, hence the evidence, are the same for every example of a task):", ""]
     for task, ws in res["weights"].items():
