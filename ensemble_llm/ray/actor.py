@@ -212,7 +212,7 @@ class MemberActor:
         forwards and prefills count for it alone (a prompt scored before needs no forward)."""
         from ..members.batching import _Call, run_prefills
 
-        m, calls, scored, out = self.member, [], {}, [None] * len(items)
+        m, calls, scored, out, ready = self.member, [], {}, [None] * len(items), []
         for i, (h, _, ids, tag, positions) in enumerate(items):
             st = None if positions is not None else self._prefilled(ids)
             if st is None:
@@ -227,13 +227,15 @@ class MemberActor:
                     calls.append(_Call(m, st, -1, count, ids=ids, positions=positions))
                     scored[id(calls[-1])] = i if positions is not None else None
             if positions is not None:
-                self.ready[tuple(ids)] = st  # for the prefill that follows
-                while len(self.ready) > READY_KEPT:
-                    self.ready.popitem(last=False)
+                ready.append((tuple(ids), st))
             else:
                 self.objs[h] = st
         if calls:
             run_prefills(m, calls)
+        for key, st in ready:  # once computed: for the prefill that follows
+            self.ready[key] = st
+            while len(self.ready) > READY_KEPT:
+                self.ready.popitem(last=False)
         for c in calls:
             if scored[id(c)] is not None:
                 out[scored[id(c)]] = c.result
