@@ -106,6 +106,12 @@ def posterior(prior: Sequence[float], evidence: Sequence[float], temperature: fl
     return [x / total for x in w]
 
 
+def _auto(method) -> bool:
+    """Whether the method's weights are "auto" (the only setting the evidence and solo apply to)."""
+    given = method.member_weights()
+    return isinstance(given, str) and given == "auto"
+
+
 def request_weights(
     method,
     members: Sequence[Any],
@@ -121,8 +127,7 @@ def request_weights(
     how well each member explains the answers the prompt already shows (scored in the prompt's
     own prefill, `TokenLM.score_prompt`). Other weight settings, one member, a prompt that shows
     no answer: the given weights and main member, unchanged. The evidence goes into `notes`."""
-    given = method.member_weights()
-    if not (isinstance(given, str) and given == "auto") or len(members) < 2 or method.name == "single":
+    if not _auto(method) or len(members) < 2 or method.name == "single":
         return prior, main
     answers = (
         []
@@ -172,7 +177,6 @@ def solo_member(method, prior: Sequence[float], weights: Sequence[float], main: 
     (the calibration's 40 facts) is not this task, and one request's evidence alone is three
     shots."""
     s = method.solo_weight()
-    given = method.member_weights()
-    if s is None or not (isinstance(given, str) and given == "auto") or len(weights) < 2:
+    if s is None or not _auto(method) or len(weights) < 2:
         return None
     return main if prior[main] >= s and weights[main] >= s else None

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..members.batching import SCHEDULER
-from ..members.member import current_guard, current_tally
+from ..members.member import _check_guard, current_guard, current_tally
 
 if TYPE_CHECKING:  # annotations only: member.py imports this module
     from .member import RayMember
@@ -207,10 +207,9 @@ class RemoteByteLM:
         uniq: dict[int, int] = {}
         index = [uniq.setdefault(b.handle.id, len(uniq)) for b in beams]
         if SCHEDULER.batching():  # with the other requests' byte LMs of this member: one actor call, one forward
-            check = current_guard()
-            if check is not None:
-                check()
-            part = SCHEDULER.rows(self.member, ("bytelm", self.handle.id, list(uniq)), current_tally(), guard=check)
+            _check_guard()
+            guard = current_guard()
+            part = SCHEDULER.rows(self.member, ("bytelm", self.handle.id, list(uniq)), current_tally(), guard=guard)
             return _Rows(part, index)
         return _Rows(self.member._ask("bytelm_next", self.handle.id, list(uniq)), index)
 

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import GenerationError
 from ..members.batching import SCHEDULER, Tally
-from ..members.member import TokenizerView, current_guard, current_tally
+from ..members.member import TokenizerView, _check_guard, current_guard, current_tally
 from .actor import MAX_RESTARTS, WAIT_SLICE_S, _ray, payload_bytes
 from .handles import Pending, RemoteByteLM, RemoteRow, RemoteRows, RemoteState, _Handle
 
@@ -288,10 +288,8 @@ class RayMember(TokenizerView):
         if not ids:
             raise ValueError("score_prompt() needs at least one token id")
         if SCHEDULER.batching():
-            check = current_guard()
-            if check is not None:
-                check()
-            return SCHEDULER.prefill(self, None, ids, current_tally(), guard=check, positions=positions).get()
+            _check_guard()
+            return SCHEDULER.prefill(self, None, ids, current_tally(), guard=current_guard(), positions=positions).get()
         with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
             return Pending(self, self._forward("score_prompt", ids, positions)).get()
 
