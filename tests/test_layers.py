@@ -25,6 +25,7 @@ FLOORS = {
         "members.batching",
         "members.vocab",
         "members.protocol",
+        "members.headpad",
         "members.member",
         "members.bytelm",
         "members.loader",

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from .batching import SCHEDULER, Tally
 from .bytelm import ByteLM
+from .headpad import pad_rows
 from .vocab import Vocab, token_bytes
 
 _GUARD = threading.local()
@@ -190,6 +191,8 @@ class Member(TokenizerView):
         self.forward_time = 0.0
         self._ready = threading.local()  # per thread: a prompt's state that score_prompt ran, for the next prefill
         self._head_ok: bool | None = None  # see head_splits
+        # products of a few rows with a large output layer run as 16 where the CPU's library is slow at them
+        self.head_pad = pad_rows(self.model) if self.device.type == "cpu" else None
         self._lock = threading.RLock()  # one forward at a time; a RowGroup is changed under it
 
     def __repr__(self) -> str:
