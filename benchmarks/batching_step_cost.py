@@ -2,8 +2,10 @@
 4-D masks, position ids, holes) against transformers' own batched decode of equal-length rows
 (`DynamicCache`, no mask), at 1 and 8 rows, for each bundled member. It says whether the gap to
 the throughput targets is our scheduling or the forward itself: with 8 rows costing c times one
-row, 8 clients can gain at most 8 / c in tokens/s. Median of 10 steps after 2 warm-up steps,
-contexts of about 100 tokens. Writes results.json and results.md.
+row, 8 clients can gain at most 8 / c in tokens/s. Our step at 8 rows, and an extend of 12 tokens
+of one request (a SAFE verification, a SpecFuse segment scored), are also timed with the output
+layer unpadded (`members/headpad.py` undone), to show what the padding saves. Median of 10 steps
+after 2 warm-up steps, contexts of about 100 tokens. Writes results.json and results.md.
 
     python benchmarks/batching_step_cost.py --out benchmarks/results/batching_step_cost
 """
@@ -23,6 +25,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from ensemble_llm.members.batching import _Call, run_step  # noqa: E402
+from ensemble_llm.members.headpad import pad_rows  # noqa: E402
 from ensemble_llm.members.loader import load_member  # noqa: E402
 
 CONTEXT, STEPS, WARM = 100, 12, 2
@@ -54,6 +57,19 @@ def ours(m, rows: int) -> float:
     return statistics.median(times[WARM:])
 
 
+def verify(m, tokens: int = 12) -> float:
+    """An extend of `tokens` tokens of one request, rolled back after each (logits at every one)."""
+    state = m.prefill(torch.randint(10, 1000, (CONTEXT,)).tolist())
+    times = []
+    for _ in range(STEPS):
+        ids = torch.randint(10, 1000, (tokens,)).tolist()
+        with m.scratch(state):
+            t = time.perf_counter()
+            m.extend(state, ids)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[WARM:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m-instruct,gemma-3-270m")
@@ -67,6 +83,12 @@ def main() -> None:
         for rows in (1, 8):
             r[f"plain_{rows}_ms"] = round(1000 * plain(m, rows), 1)
             r[f"ours_{rows}_ms"] = round(1000 * ours(m, rows), 1)
+        r["head_pad_from"] = m.head_pad
+        r["verify_12_ms"] = round(1000 * verify(m), 1)
+        pad_rows(m.model, None)
+        r["ours_8_unpadded_ms"] = round(1000 * ours(m, 8), 1)
+        r["verify_12_unpadded_ms"] = round(1000 * verify(m), 1)
+        pad_rows(m.model, m.head_pad)
         r["plain_8_over_1"] = round(r["plain_8_ms"] / r["plain_1_ms"], 2)
         r["ours_8_over_1"] = round(r["ours_8_ms"] / r["ours_1_ms"], 2)
         r["ceiling_tokens_per_s_8_over_1"] = round(8 / r["ours_8_over_1"], 2)
@@ -79,16 +101,20 @@ def main() -> None:
         f"# One decode step at 1 and 8 rows (context about {CONTEXT} tokens, 2 CPU cores, torch {torch.__version__})",
         "",
         "`python benchmarks/batching_step_cost.py`. plain: transformers' batched decode of equal rows, no mask;"
-        " ours: `batching.run_step` (rows of different lengths, 4-D mask). Median ms of 10 steps.",
+        " ours: `batching.run_step` (rows of different lengths, 4-D mask); verify 12: an extend of 12 tokens of one"
+        " request; unpadded: the output layer's padding (members/headpad.py, padded from the row count given) undone."
+        " Median ms of 10 steps.",
         "",
-        "| member | plain 1 row | ours 1 row | plain 8 rows | ours 8 rows | plain 8/1 | ours 8/1 "
-        "| tokens/s ceiling 8/1 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| member | pads from | plain 1 row | ours 1 row | plain 8 rows | ours 8 rows (unpadded) | plain 8/1 "
+        "| ours 8/1 "
+        "| tokens/s ceiling 8/1 | verify 12 (unpadded) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows_out:
         lines.append(
-            f"| {r['member']} | {r['plain_1_ms']} | {r['ours_1_ms']} | {r['plain_8_ms']} | {r['ours_8_ms']} "
-            f"| {r['plain_8_over_1']} | {r['ours_8_over_1']} | {r['ceiling_tokens_per_s_8_over_1']} |"
+            f"| {r['member']} | {r['head_pad_from']} | {r['plain_1_ms']} | {r['ours_1_ms']} | {r['plain_8_ms']} "
+            f"| {r['ours_8_ms']} ({r['ours_8_unpadded_ms']}) | {r['plain_8_over_1']} | {r['ours_8_over_1']} "
+            f"| {r['ceiling_tokens_per_s_8_over_1']} | {r['verify_12_ms']} ({r['verify_12_unpadded_ms']}) |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")
 

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="send the prompts this many times (e.g. 8: 64 requests)")
     ap.add_argument("--server", action="store_true", help="through a real `ensemble-llm serve` process")
     ap.add_argument("--ray", action="store_true", help="placement='ray': each member in an actor of a local cluster")
+    ap.add_argument("--no-head-pad", action="store_true", help="in process: undo members/headpad.py's padding")
     ap.add_argument("--out", default="batching")
     args = ap.parse_args()
     from ensemble_llm import Ensemble
@@ -100,6 +101,11 @@ def main() -> None:
             if args.ray:  # one CPU per member actor (this machine has 2)
                 place = {"placement": "ray", "member_resources": {"num_cpus": 2 / len(members)}}
             engine = Ensemble(members, method, cfg, max_batch=max_batch, **place).load()
+            if args.no_head_pad and not args.ray:
+                from ensemble_llm.members.headpad import pad_rows
+
+                for m in engine.members:
+                    pad_rows(m.model, None)
 
             def ask(p, engine=engine):
                 r = engine.generate(p, max_new_tokens=args.max_tokens)
@@ -145,6 +151,7 @@ def main() -> None:
         f"Members: {args.models} (single: the first). 2 CPU cores. `python benchmarks/batching_throughput.py"
         + (" --server" if args.server else "")
         + (" --ray" if args.ray else "")
+        + (" --no-head-pad" if args.no_head_pad else "")
         + f" --methods {args.methods} --clients {args.clients} --max-tokens {args.max_tokens}"
         + f" --repeat {args.repeat} --max-batch {max_batch}`.",
         "",
