@@ -60,6 +60,59 @@ def test_missing_string_gets_first_subtoken_probability(tiny_members):
     assert torch.allclose(d.per_member[0], torch.tensor([0.7, 0.2]) / 0.9, atol=1e-6)
 
 
+def test_onto_main_counts_each_members_mass_once_on_the_main_members_tokens(tiny_members):
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    # SmolLM2 writes " tonnes" as " ton" + "nes" and has no " tonne"; Gemma has " tonne" and " tonnes"
+    assert vocab_index(smol).first_subtoken(b" tonne") == smol.tokenizer.convert_tokens_to_ids("Ġton")
+    assert b" tonne" not in vocab_index(smol).by_bytes and b" tonne" in vocab_index(gemma).by_bytes
+    rs = _row(smol, {"Ġton": 0.5, "Ġtonnes": 0.1})
+    rg = _row(gemma, {"▁tonnes": 0.45, "▁tonne": 0.4})
+    # UniTE's rule: " tonne" takes SmolLM2's " ton" logit too, so SmolLM2's 0.5 counts twice and the
+    # stem wins, though neither member's own choice is " tonne"
+    u = union_distribution([smol, gemma], [rs, rg], [1.0, 1.0], k=2)
+    assert u.keys == [b" ton", b" tonnes", b" tonne"]
+    want_s, want_g = torch.tensor([0.5, 0.1, 0.5]) / 1.1, torch.tensor([0.0, 0.45, 0.4]) / 0.85
+    assert torch.allclose(u.probs, (want_s + want_g) / 2, atol=1e-6)
+    assert u.keys[int(u.probs.argmax())] == b" tonne"
+    # onto the main member's tokens: SmolLM2's mass on its own tokens only, Gemma's " tonne" moved to " ton"
+    d = union_distribution([smol, gemma], [rs, rg], [1.0, 1.0], k=2, onto_main=True)
+    assert d.keys == [b" ton", b" tonnes"]
+    want_s, want_g = torch.tensor([0.5, 0.1]) / 0.6, torch.tensor([0.4, 0.45]) / 0.85
+    assert torch.allclose(d.per_member, torch.stack([want_s, want_g]), atol=1e-6)
+    assert torch.allclose(d.probs, (want_s + want_g) / 2, atol=1e-6) and d.keys[int(d.probs.argmax())] == b" ton"
+    w = union_distribution([smol, gemma], [rs, rg], [1.0, 9.0], k=2, onto_main=True)
+    assert torch.allclose(w.probs, 0.1 * want_s + 0.9 * want_g, atol=1e-6)
+    # with Gemma as the main member the keys are Gemma's tokens; EOS stays EOS
+    eos_s = smol.tokenizer.convert_ids_to_tokens(sorted(smol.eos_ids)[0])
+    g = union_distribution([gemma, smol], [rg, _row(smol, {"Ġton": 0.5, eos_s: 0.3})], [1.0, 1.0], k=2, onto_main=True)
+    gi = vocab_index(gemma)
+    assert set(g.keys) == {b" tonnes", b" tonne", EOS, gi.key_of(gi.first_subtoken(b" ton"))}
+    assert torch.allclose(g.per_member.sum(1), torch.ones(2), atol=1e-6)
+
+
+def test_onto_main_every_top1_agreeing_is_not_the_argmax_but_a_weighted_mean_above_half_is(tiny_members):
+    """Why safe's consensus skip asks for the weighted mean with onto_main: every member's own top-1
+    is " the", yet Gemma's " unbelievably" and " unbelievable" both start with SmolLM2's " unbelie"
+    and add up there. With UniTE's rule every member's top-1 is the argmax (Theorem 1)."""
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    si = vocab_index(smol)
+    for word in (b" unbelievably", b" unbelievable"):
+        assert word not in si.by_bytes and si.first_subtoken(word) == smol.tokenizer.convert_tokens_to_ids("Ġunbelie")
+    rs = _row(smol, {"Ġthe": 0.45, "Ġunbelie": 0.40})
+    rg = _row(gemma, {"▁the": 0.34, "▁unbelievably": 0.33, "▁unbelievable": 0.33})
+    u = union_distribution([smol, gemma], [rs, rg], [1.0, 1.0], k=3)
+    assert u.keys[int(u.probs.argmax())] == b" the"
+    d = union_distribution([smol, gemma], [rs, rg], [1.0, 1.0], k=3, onto_main=True)
+    assert d.keys[int(d.probs.argmax())] == b" unbelie"
+    assert torch.allclose(d.probs[d.index(b" unbelie")], torch.tensor((0.40 / 0.85 + 0.66) / 2), atol=1e-4)
+    # a weighted mean of the members' own probabilities above 1/2 is always the argmax: the token's
+    # mass for each member is at least its own probability of it
+    rs2 = _row(smol, {"Ġthe": 0.70, "Ġunbelie": 0.25})
+    rg2 = _row(gemma, {"▁the": 0.34, "▁unbelievably": 0.33, "▁unbelievable": 0.33})
+    d2 = union_distribution([smol, gemma], [rs2, rg2], [1.0, 1.0], k=3, onto_main=True)
+    assert (0.70 + 0.34) / 2 > 0.5 and d2.keys[int(d2.probs.argmax())] == b" the"
+
+
 def test_heuristic_sharpening_hand_computed():
     keys = [b"So", b"Sofia", b"Sof", b" ", EOS]
     p = torch.tensor([0.3, 0.2, 0.1, 0.15, 0.25])

@@ -26,6 +26,9 @@ def test_config_validation(tiny_dirs):
         SafeConfig(lookahead=0)
     with pytest.raises(ConfigError, match="sharpen"):
         SafeConfig(sharpen="cubic")
+    for method in ("safe", "unite"):
+        with pytest.raises(ConfigError, match="onto_main must be True or False"):
+            Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method, config={"onto_main": "yes"}).load()
     with pytest.raises(ConfigError, match="weights"):
         Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe", config={"weights": [1, 2, 3]}).load()
     with pytest.raises(ConfigError, match="at least 2 members"):
@@ -107,3 +110,23 @@ def test_real_pair_gives_well_formed_text(real_dirs, method):
     res = eng.generate("What is the capital of France?", max_new_tokens=24)
     assert "Paris" in res.text and "\ufffd" not in res.text and "<|im_end|>" not in res.text
     assert res.stats["tokens_ensembled"] >= 1
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["unite", "safe"])
+def test_real_pair_keeps_the_word_both_members_write(real_dirs, method):
+    """plural, "tonne": SmolLM2 writes " ton" + "nes", Gemma-3 " tonnes"; both alone answer "tonnes".
+    With UniTE's first-sub-token rule the stem " tonne" (a Gemma token SmolLM2 lacks) took SmolLM2's
+    " ton" mass as well and won, and the answer ended there; onto the main member's tokens (the
+    default) each member's mass counts once and the ensemble answers as both members do."""
+    from ensemble_llm.bench import bundled_task, load_task
+
+    shots, exs = load_task(bundled_task("plural"), 115)
+    ex = next(x for x in exs if x["input"].strip() == "tonne")
+    prompt = shots + "Q: tonne\nA:"
+    ask = {"max_new_tokens": 8, "raw": True, "stop": ["\n"]}
+    for i in (0, 1):
+        assert Ensemble(list(DEFAULT_MODELS), "single", {"member": i}).generate(prompt, **ask).text == " tonnes"
+    res = Ensemble(list(DEFAULT_MODELS), method).generate(prompt, **ask)
+    assert res.text.strip() in ex["targets"] and res.stats["main_member"] == "smollm2-135m-instruct"
+    assert Ensemble(list(DEFAULT_MODELS), method, {"onto_main": False}).generate(prompt, **ask).text == " tonne"

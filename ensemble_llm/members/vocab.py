@@ -202,15 +202,16 @@ class VocabIndex:
     def logprob(self, row, key: Key) -> float:
         return self.logprobs(row, [key])[0]
 
-    def key_ids(self, keys: Sequence[Key]) -> tuple[list[int], list[tuple[int, int]]]:
+    def key_ids(self, keys: Sequence[Key], exact: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
         """The token ids to read for each key (all EOS ids for EOS, none for a key the member cannot
-        start), flat, with each key's span in the flat list (see `key_logprobs`)."""
+        start, or with `exact` for one it has no token of), flat, with each key's span in the flat
+        list (see `key_logprobs`)."""
         ids, spans = [], []
         for key in keys:
             if key is EOS:
                 sel = self.eos
             else:
-                tok = self.first_subtoken(key)
+                tok = self.by_bytes.get(key) if exact else self.first_subtoken(key)
                 sel = [tok] if tok is not None else []
             spans.append((len(ids), len(ids) + len(sel)))
             ids += sel

@@ -53,10 +53,14 @@ class UnionDist:
 
 
 def union_distribution(
-    members: Sequence[Member], rows: Sequence[torch.Tensor], weights: Sequence[float], k: int
+    members: Sequence[Member], rows: Sequence[torch.Tensor], weights: Sequence[float], k: int, onto_main: bool = False
 ) -> UnionDist:
     """UniTE: union of every member's top-k keys; each member's logits on the union (a key it
-    lacks gets its first sub-token's logit), softmax per member, weighted average."""
+    lacks gets its first sub-token's logit), softmax per member, weighted average.
+
+    `onto_main`: a member's mass is read on the keys it has as tokens only, and every key's mass
+    goes to the main member's (members[0]) first token of it, so the keys are the main member's
+    tokens (`onto_main_tokens`)."""
     keys: list[Key] = []
     # every member's row is asked before any answer is read: remote members answer in parallel
     tops = [top_async(row, 4 * k + 8) for row in rows]
@@ -66,13 +70,38 @@ def union_distribution(
                 keys.append(key)
     asks = []
     for m, row in zip(members, rows):
-        ids, spans = vocab_index(m).key_ids(keys)
+        ids, spans = vocab_index(m).key_ids(keys, exact=onto_main)
         asks.append((take_async(row, ids), spans))
     logits = torch.tensor([VocabIndex.key_logprobs(keys, a.get(), spans) for a, spans in asks])
     per_member = torch.softmax(logits, dim=-1)
+    if onto_main:
+        keys, per_member = onto_main_tokens(members[0], keys, per_member)
     w = torch.tensor(list(weights), dtype=per_member.dtype)
     probs = (w[:, None] * per_member).sum(0) / w.sum()
     return UnionDist(keys, probs, per_member)
+
+
+def onto_main_tokens(main: Member, keys: list[Key], per_member: torch.Tensor) -> tuple[list[Key], torch.Tensor]:
+    """Each key's column summed into the column of the main member's first token of it (EOS stays
+    EOS; a key the main member cannot start stays as it is).
+
+    Why: with UniTE's rule a key a member lacks takes its first sub-token's logit, so that
+    sub-token's mass counts twice, once for itself and once for the longer key. Where the main
+    member writes a word in two tokens (SmolLM2: " ton" + "nes") and the other member has the word's
+    stem as one token (Gemma: " tonne", " tonnes"), the stem " tonne" then gets the main member's
+    " ton" mass as well as the other member's, beats both members' own choice, and the answer ends
+    there ("tonne" where both members alone write "tonnes"). Here every member's mass counts once,
+    on the token the main member would start that text with, and the next step decides the rest."""
+    idx = vocab_index(main)
+    target: list[Key] = []
+    for key in keys:
+        tok = None if key is EOS else idx.first_subtoken(key)
+        target.append(key if tok is None else idx.key_of(tok))
+    out: list[Key] = list(dict.fromkeys(target))
+    merged = torch.zeros(per_member.shape[0], len(out), dtype=per_member.dtype)
+    for j, t in enumerate(target):
+        merged[:, out.index(t)] += per_member[:, j]
+    return out, merged
 
 
 def sharpen(

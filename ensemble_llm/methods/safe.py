@@ -54,9 +54,14 @@ class SafeConfig:
     adaptive: bool = True
     max_lookahead: int = 16
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
+    # the union's keys are the drafter's tokens, each member's mass counted once (as UniteConfig.onto_main);
+    # then a consensus skip needs the weighted mean above `consensus`, the one test that stays lossless
+    onto_main: bool = True
 
     def __post_init__(self) -> None:
         check_main(self.drafter, "SafeConfig.drafter")
+        if not isinstance(self.onto_main, bool):
+            raise ConfigError(f"SafeConfig.onto_main must be True or False, got {self.onto_main!r}")
         check_solo(self.solo, "SafeConfig")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 64:
             raise ConfigError(f"SafeConfig.lookahead must be an integer in [1, 64], got {self.lookahead!r}")
@@ -231,7 +236,7 @@ class _SafeRun:
             if self.consensus(tok, row, key, b, vrows):
                 st.skipped_consensus += 1
                 if self.req.trace is not None:  # with what UniTE would have picked here (Theorem 1: the same)
-                    dist = union_distribution(self.ordered, [row] + vrows, self.weights, self.cfg.top_k)
+                    dist = self.union([row] + vrows)
                     self.note(byte=b, reason="consensus", key=key, unite_pick=dist.keys[int(torch.argmax(dist.probs))])
                 continue
             choice = self.ensemble(row, vrows, full[:b])
@@ -266,16 +271,21 @@ class _SafeRun:
                 aligned &= vocab_index(v.member).key_of(own) == key
                 p_own.append(math.exp(vals[0]))
                 agree &= own == best
-        # the weighted mean (App. H): above 1/2 the token is the weighted ensemble's argmax
+        # the weighted mean (App. H): above 1/2 the token is the weighted ensemble's argmax. Every
+        # member's own top-1 being the token is enough with UniTE's rule (no key outweighs a member's
+        # top-1 there), not with onto_main (a verifier's other tokens may add up on another key)
         p_mean = sum(w * p for w, p in zip(self.weights, p_own)) / self.wsum
-        return aligned and (agree or p_mean > self.cfg.consensus)
+        return aligned and ((agree and not self.cfg.onto_main) or p_mean > self.cfg.consensus)
+
+    def union(self, rows: list):
+        return union_distribution(self.ordered, rows, self.weights, self.cfg.top_k, onto_main=self.cfg.onto_main)
 
     def ensemble(self, row: torch.Tensor, vrows: list, before: bytes):
         """5. The UniTE distribution over the drafter's and the verifiers' rows (sharpened when its
         max < 0.5), masked by the grammar after `before`; a key picked from it (None: no key allowed)."""
         cfg = self.cfg
         self.st.tokens_ensembled += 1
-        dist = union_distribution(self.ordered, [row] + vrows, self.weights, cfg.top_k)
+        dist = self.union([row] + vrows)
         probs = dist.probs
         if float(probs.max()) < 0.5:
             probs = sharpen(dist, top_keys(self.drafter, row, cfg.top_k), cfg.sharpen, cfg.sharpen_lambda, self.weights)

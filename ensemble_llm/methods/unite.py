@@ -62,10 +62,15 @@ class UniteConfig:
     weights: list[float] | str | None = "auto"  # "auto" (calibrated), None (uniform) or one per member
     primary: int | None = None  # the member whose tokens carry the text; None: the strongest
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
+    # True: each member's mass counted once, on the primary's first token of each key (align.onto_main_tokens);
+    # False: UniTE's own rule (a key a member lacks takes its first sub-token's logit)
+    onto_main: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:
             raise ConfigError(f"UniteConfig.top_k must be an integer in [1, 1000], got {self.top_k!r}")
+        if not isinstance(self.onto_main, bool):
+            raise ConfigError(f"UniteConfig.onto_main must be True or False, got {self.onto_main!r}")
         check_main(self.primary, "UniteConfig.primary")
         check_weights(self.weights, None, "UniteConfig")
         check_solo(self.solo, "UniteConfig")
@@ -178,7 +183,7 @@ class _UniteRun:
         for v in self.views:
             v.sync(text.decode("utf-8"), from_byte=len(text))
             rows.append(v.rows[len(text)])
-        dist = union_distribution(self.ordered, rows, self.weights, self.cfg.top_k)
+        dist = union_distribution(self.ordered, rows, self.weights, self.cfg.top_k, onto_main=self.cfg.onto_main)
         logp = torch.log(dist.probs)
         if guide:  # only keys whose bytes the grammar allows here (None: no key is)
             logp = guide.key_logprobs(text, [None if k is EOS else k for k in dist.keys], logp)
