@@ -113,6 +113,42 @@ def test_onto_main_every_top1_agreeing_is_not_the_argmax_but_a_weighted_mean_abo
     assert (0.70 + 0.34) / 2 > 0.5 and d2.keys[int(d2.probs.argmax())] == b" the"
 
 
+def test_onto_main_moves_a_key_only_onto_a_token_that_starts_it(tiny_members, monkeypatch):
+    """A main member whose tokenizer adds a leading space (Llama-2 / Mistral SentencePiece) spells
+    "ingly" as " ing" + "ly": its first token is not a prefix of the key, so the key's mass goes to
+    the longest prefix it has as a token instead (never to text that was not written)."""
+    from ensemble_llm.methods.align import main_prefix
+
+    smol = tiny_members["smol"]
+    si = vocab_index(smol)
+    assert main_prefix(si, b" tonne") == b" ton" and main_prefix(si, b" the") == b" the"
+    spaced = si.by_bytes[b" ing"]
+    monkeypatch.setattr(si, "first_subtoken", lambda key: spaced)
+    got = main_prefix(si, b"ingly")
+    assert b"ingly".startswith(got) and got in si.by_bytes and got != b" ing"
+    assert got == max((b"ingly"[:n] for n in range(1, 6) if b"ingly"[:n] in si.by_bytes), key=len)
+
+
+def test_safe_consensus_skip_with_onto_main_needs_the_weighted_mean(tiny_members):
+    """The counterexample above through safe's own consensus test: with UniTE's union every
+    member's top-1 agreeing is a lossless skip; with onto_main it is not, and the position is
+    ensembled; a weighted mean above 1/2 skips under both."""
+    from types import SimpleNamespace
+
+    from ensemble_llm.methods.safe import SafeConfig, _SafeRun
+
+    smol, gemma = tiny_members["smol"], tiny_members["gemma"]
+    the_s, the_g = smol.tokenizer.convert_tokens_to_ids("Ġthe"), gemma.tokenizer.convert_tokens_to_ids("▁the")
+    view = SimpleNamespace(member=gemma, next_tok={0: the_g})
+    rg = _row(gemma, {"▁the": 0.34, "▁unbelievably": 0.33, "▁unbelievable": 0.33})
+    for onto_main, low, high in ((False, True, True), (True, False, True)):
+        run = SimpleNamespace(views=[view], weights=[1.0, 1.0], wsum=2.0, cfg=SafeConfig(onto_main=onto_main))
+        rs = _row(smol, {"Ġthe": 0.45, "Ġunbelie": 0.40})  # both top-1s " the", weighted mean 0.395
+        assert _SafeRun.consensus(run, the_s, rs, b" the", 0, [rg]) is low
+        rs = _row(smol, {"Ġthe": 0.70, "Ġunbelie": 0.25})  # weighted mean 0.52
+        assert _SafeRun.consensus(run, the_s, rs, b" the", 0, [rg]) is high
+
+
 def test_heuristic_sharpening_hand_computed():
     keys = [b"So", b"Sofia", b"Sof", b" ", EOS]
     p = torch.tensor([0.3, 0.2, 0.1, 0.15, 0.25])

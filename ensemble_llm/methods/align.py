@@ -93,15 +93,27 @@ def onto_main_tokens(main: Member, keys: list[Key], per_member: torch.Tensor) ->
     there ("tonne" where both members alone write "tonnes"). Here every member's mass counts once,
     on the token the main member would start that text with, and the next step decides the rest."""
     idx = vocab_index(main)
-    target: list[Key] = []
-    for key in keys:
-        tok = None if key is EOS else idx.first_subtoken(key)
-        target.append(key if tok is None else idx.key_of(tok))
+    target = [key if key is EOS else main_prefix(idx, key) for key in keys]
     out: list[Key] = list(dict.fromkeys(target))
     merged = torch.zeros(per_member.shape[0], len(out), dtype=per_member.dtype)
     for j, t in enumerate(target):
         merged[:, out.index(t)] += per_member[:, j]
     return out, merged
+
+
+def main_prefix(idx: VocabIndex, key: bytes) -> bytes:
+    """The main member's first token of `key` as bytes that start `key`: its tokenization's first
+    token where that spells a prefix of the key (a tokenizer that adds a leading space or
+    normalises text does not), else the longest prefix of the key it has as a token, else the key."""
+    tok = idx.first_subtoken(key)
+    if tok is not None:
+        first = idx.key_of(tok)
+        if first is not EOS and first and key.startswith(first):
+            return first
+    for n in range(min(len(key), idx.max_len), 0, -1):
+        if key[:n] in idx.by_bytes:
+            return key[:n]
+    return key
 
 
 def sharpen(

@@ -8,9 +8,11 @@ Generate -> verify -> ensemble, once per cycle:
 3. drafter position j (the token t_j after byte boundary b) may be ensembled only if b is a token
    boundary of every verifier (t_{j-1} is not OOV-like) and t_j lies in complete UTF-8 text;
 4. it is skipped by consensus when every verifier's own next token at b spells the drafter's
-   token and either each is its verifier's top-1, or the mean over all members of each one's
-   probability of that token > `consensus` (Theorem 1: both imply the ensemble argmax is the
-   drafter's token);
+   token and the weighted mean over all members of each one's probability of that token >
+   `consensus` (with `onto_main=False`, UniTE's union: also where each is its verifier's top-1).
+   Theorem 1: at `consensus` >= 1/2 either implies the ensemble argmax is the drafter's token
+   (with `onto_main` the top-1 test does not: a verifier's other tokens may add up on another of
+   the drafter's tokens, so it is not used);
 5. at the first position failing both checks the UniTE distribution is built (sharpened when its
    max < 0.5) and a token picked; if it differs from t_j it replaces it, the rest of the
    lookahead is dropped and the drafter's cache is cropped back to that point (verifiers are
@@ -45,7 +47,7 @@ class SafeConfig:
     consensus: float = 0.5
     # None by default: with small members' flat first-token distributions the heuristic pools
     # unrelated words ("L" gained "La", "Le", "L'" and beat "The"; see the README)
-    sharpen: str | None = None
+    sharpen: str | None = None  # with onto_main, "geometric" is over the members' masses on the drafter's tokens
     sharpen_lambda: float = 0.1
     weights: list[float] | str | None = "auto"  # "auto" (calibrated), None (uniform) or one per member
     # the lookahead follows the acceptance rate (transformers' "heuristic" schedule for assisted
