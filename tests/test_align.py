@@ -127,6 +127,12 @@ def test_onto_main_moves_a_key_only_onto_a_token_that_starts_it(tiny_members, mo
     got = main_prefix(si, b"ingly")
     assert b"ingly".startswith(got) and got in si.by_bytes and got != b" ing"
     assert got == max((b"ingly"[:n] for n in range(1, 6) if b"ingly"[:n] in si.by_bytes), key=len)
+    monkeypatch.undo()
+    # a byte-level first token that stops inside a character is carried to the character's end
+    key = "こんにちは".encode()
+    first = si.key_of(si.first_subtoken(key))
+    assert len(first) < 3 and main_prefix(si, key) == "こ".encode()  # SmolLM2's first token is half of "こ"
+    assert main_prefix(si, "こ".encode()[:2]) == "こ".encode()[:2]  # a fragment key stays itself
 
 
 def test_safe_consensus_skip_with_onto_main_needs_the_weighted_mean(tiny_members):

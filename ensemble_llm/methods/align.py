@@ -104,16 +104,21 @@ def onto_main_tokens(main: Member, keys: list[Key], per_member: torch.Tensor) ->
 def main_prefix(idx: VocabIndex, key: bytes) -> bytes:
     """The main member's first token of `key` as bytes that start `key`: its tokenization's first
     token where that spells a prefix of the key (a tokenizer that adds a leading space or
-    normalises text does not), else the longest prefix of the key it has as a token, else the key."""
+    normalises text does not), else the longest prefix of the key it has as a token, else the key;
+    carried on to the end of the character it stops in (a byte-level tokenizer's first token of
+    "こんにちは" may be half of "こ", and a half character would leave the rest to the main member
+    alone)."""
+    first = key
     tok = idx.first_subtoken(key)
-    if tok is not None:
-        first = idx.key_of(tok)
-        if first is not EOS and first and key.startswith(first):
-            return first
-    for n in range(min(len(key), idx.max_len), 0, -1):
-        if key[:n] in idx.by_bytes:
-            return key[:n]
-    return key
+    own = None if tok is None else idx.key_of(tok)
+    if own is not EOS and own and key.startswith(own):
+        first = own
+    else:
+        first = next((key[:n] for n in range(min(len(key), idx.max_len), 0, -1) if key[:n] in idx.by_bytes), key)
+    n = len(first)
+    while n < len(key) and key[n] & 0xC0 == 0x80:  # a UTF-8 continuation byte: the character goes on
+        n += 1
+    return key[:n]
 
 
 def sharpen(
