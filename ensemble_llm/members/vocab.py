@@ -174,10 +174,12 @@ class VocabIndex:
                 return ids[0]
         except UnicodeDecodeError:
             pass
-        for n in range(min(len(key), self.max_len), 0, -1):  # a byte fragment: longest known prefix
-            if key[:n] in self.by_bytes:
-                return self.by_bytes[key[:n]]
-        return None
+        n = self.longest_prefix(key)  # a byte fragment: its longest known prefix
+        return self.by_bytes[key[:n]] if n else None
+
+    def longest_prefix(self, key: bytes) -> int:
+        """The length of the longest prefix of `key` that is one of the member's tokens (0: none)."""
+        return next((n for n in range(min(len(key), self.max_len), 0, -1) if key[:n] in self.by_bytes), 0)
 
     def ids_for(self, key: bytes) -> list[int]:
         """Token ids that spell `key` for this member: its own token when it has one, else its

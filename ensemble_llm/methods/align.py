@@ -108,14 +108,9 @@ def main_prefix(idx: VocabIndex, key: bytes) -> bytes:
     carried on to the end of the character it stops in (a byte-level tokenizer's first token of
     "こんにちは" may be half of "こ", and a half character would leave the rest to the main member
     alone)."""
-    first = key
     tok = idx.first_subtoken(key)
     own = None if tok is None else idx.key_of(tok)
-    if own is not EOS and own and key.startswith(own):
-        first = own
-    else:
-        first = next((key[:n] for n in range(min(len(key), idx.max_len), 0, -1) if key[:n] in idx.by_bytes), key)
-    n = len(first)
+    n = len(own) if own is not EOS and own and key.startswith(own) else idx.longest_prefix(key) or len(key)
     while n < len(key) and key[n] & 0xC0 == 0x80:  # a UTF-8 continuation byte: the character goes on
         n += 1
     return key[:n]

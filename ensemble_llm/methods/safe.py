@@ -34,7 +34,7 @@ from ..members.rows import pick_token, query_async, take_async
 from .align import EOS, VocabIndex, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
 from .base import SOLO, Method, Request, check_solo
 from .text import Utf8Releaser
-from .unite import UniteStats, check_ensemble_members, check_main, check_weights
+from .unite import UniteStats, check_ensemble_members, check_main, check_onto_main, check_weights
 
 SHARPEN_MODES = ("heuristic", "geometric", None)
 
@@ -62,8 +62,7 @@ class SafeConfig:
 
     def __post_init__(self) -> None:
         check_main(self.drafter, "SafeConfig.drafter")
-        if not isinstance(self.onto_main, bool):
-            raise ConfigError(f"SafeConfig.onto_main must be True or False, got {self.onto_main!r}")
+        check_onto_main(self.onto_main, "SafeConfig")
         check_solo(self.solo, "SafeConfig")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 64:
             raise ConfigError(f"SafeConfig.lookahead must be an integer in [1, 64], got {self.lookahead!r}")

@@ -46,6 +46,11 @@ def check_main(value, owner: str) -> None:
         raise ConfigError(f"{owner} must be a member index >= 0, or None for the strongest member, got {value!r}")
 
 
+def check_onto_main(value, owner: str) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.onto_main must be True or False, got {value!r}")
+
+
 def check_ensemble_members(method: str, members: list, index: int, field: str, weights) -> None:
     """Shared member checks of the ensembling methods: >= 2 members, a valid main index, weights."""
     owner = field.split(".")[0]
@@ -69,8 +74,7 @@ class UniteConfig:
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:
             raise ConfigError(f"UniteConfig.top_k must be an integer in [1, 1000], got {self.top_k!r}")
-        if not isinstance(self.onto_main, bool):
-            raise ConfigError(f"UniteConfig.onto_main must be True or False, got {self.onto_main!r}")
+        check_onto_main(self.onto_main, "UniteConfig")
         check_main(self.primary, "UniteConfig.primary")
         check_weights(self.weights, None, "UniteConfig")
         check_solo(self.solo, "UniteConfig")
