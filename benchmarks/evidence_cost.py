@@ -3,8 +3,8 @@
 row only), per member, on one few-shot prompt of every suite task. Both run side by side,
 alternating, `--repeats` times; the table gives medians and the extra time per request next to a
 whole request's time (unite, the same prompt, greedy to the first newline). The scored prefill is
-also timed with the output layer unpadded (`members/headpad.py` undone), alternating with the
-padded one, so the padding's share is measured in the same run.
+also timed with the linear layers as they are (`members/headpad.py`'s plans undone), alternating
+with the planned ones, so the plans' share is measured in the same run.
 
     python benchmarks/evidence_cost.py --out benchmarks/results/evidence_cost
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from ensemble_llm import Ensemble
 from ensemble_llm.bench import SUITE, bundled_task, load_task
 from ensemble_llm.evidence import answer_positions, answer_spans
-from ensemble_llm.members.headpad import pad_rows
+from ensemble_llm.members.headpad import describe, pad_rows
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
                 b.append(_timed(_scored, m, ids, pos))
                 pad_rows(m.model, None)
                 c.append(_timed(_scored, m, ids, pos))
-                pad_rows(m.model, m.head_pad)
+                pad_rows(m.model, m.row_plans)
             plain[i], scored[i], unpadded[i] = (statistics.median(x) for x in (a, b, c))
         req = statistics.median(
             eng.generate(prompt, raw=True, stop=["\n"], max_new_tokens=24).stats["time_s"] for _ in range(args.repeats)
@@ -69,9 +69,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = [m.name for m in eng.members]
-    pads = {m.name: m.head_pad for m in eng.members}
+    pads = {m.name: describe(m.row_plans.get(tuple(m.model.get_output_embeddings().weight.shape))) for m in eng.members}
     (out / "results.json").write_text(
-        json.dumps({"members": names, "head_pad_from": pads, "repeats": args.repeats, "rows": rows}, indent=2)
+        json.dumps({"members": names, "head_plan": pads, "repeats": args.repeats, "rows": rows}, indent=2)
     )
     lines = [
         f"# Cost of the per-request weights ({', '.join(names)}, CPU, median of {args.repeats})",
@@ -92,7 +92,7 @@ def main() -> None:
     pooled = sum(r["extra_s"] for r in rows) / sum(r["request_s"] for r in rows)
     lines += [
         "",
-        f"Output layers padded to 16 rows from (members/headpad.py, timed at load): {pads}.",
+        f"Output layers' plans (members/headpad.py, timed at load; unpadded: every layer's plan undone): {pads}.",
         "",
         f"Mean extra over a whole request: {mean:.1%} (unpadded output layers: {mean_unpadded:.1%}); "
         f"the extra time of all seven over their requests' time: {pooled:.1%}.",

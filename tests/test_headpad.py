@@ -1,6 +1,7 @@
-"""The output layer padded to 16 rows where the CPU's library is slow at a few (members/headpad.py):
-the same values as the plain product, for every row count and shape; the model's weights stay
-tied; the rule that decides from timings; and the real Gemma-3 member's logits unchanged."""
+"""Linear layers' products of a few rows planned where the CPU's library is slow at them
+(members/headpad.py): the same values as the plain product for every row count, shape and kernel;
+the model's weights stay tied; the plan from timings; and the real Gemma-3 member's logits
+unchanged with every layer planned."""
 
 from unittest import mock
 
@@ -9,112 +10,162 @@ import torch
 from torch import nn
 
 from ensemble_llm.members import headpad
-from ensemble_llm.members.headpad import ROWS, RowPadded, pad_rows
+from ensemble_llm.members.headpad import ROWS, RowPadded, describe, pad_rows, plan_from, set_plan
+
+MIXED = tuple([(4, "mm")] * 4 + [None, None] + [(8, "mm")] * 2 + [(16, "linear")] * 7 + [None])
 
 
-def _spy_rows():
-    """Patch nn.functional.linear (what nn.Linear.forward calls) to record the rows it is given."""
+def _spy():
+    """Patch the two products to record (kernel, rows) of each call."""
     seen = []
-    real = nn.functional.linear
+    linear, mm = nn.functional.linear, torch.mm
 
-    def linear(x, w, b=None):
-        seen.append(x.numel() // x.shape[-1])
-        return real(x, w, b)
+    def lin(x, w, b=None):
+        seen.append(("linear", x.numel() // x.shape[-1]))
+        return linear(x, w, b)
 
-    return seen, mock.patch("torch.nn.modules.linear.F.linear", linear)
+    def mm_(a, b):
+        seen.append(("mm", b.shape[-1]))
+        return mm(a, b)
+
+    return seen, mock.patch("torch.nn.modules.linear.F.linear", lin), mock.patch.object(headpad.torch, "mm", mm_)
 
 
-@pytest.mark.parametrize("pad_from", [4, 7])
-def test_padded_product_equals_the_plain_one_for_every_row_count_and_shape(pad_from):
+@pytest.mark.parametrize("bias", [True, False])
+def test_planned_product_equals_the_plain_one_for_every_row_count_and_shape(bias):
     torch.manual_seed(0)
-    plain = nn.Linear(24, 300, bias=True)
-    padded = nn.Linear(24, 300, bias=True)
-    padded.load_state_dict(plain.state_dict())
-    padded.__class__, padded.pad_from = RowPadded, pad_from
-    seen, patch = _spy_rows()
+    plain = nn.Linear(24, 300, bias=bias)
+    planned = nn.Linear(24, 300, bias=bias)
+    planned.load_state_dict(plain.state_dict())
+    planned.__class__, planned.plan = RowPadded, MIXED
+    seen, p1, p2 = _spy()
     for shape in [(n, 24) for n in range(1, 21)] + [(1, 9, 24), (2, 3, 24), (3, 1, 24), (1, 16, 24), (24,)]:
         x = torch.randn(*shape)
         want = nn.functional.linear(x, plain.weight, plain.bias)
         seen.clear()
-        with patch:
-            got = padded(x)
+        with p1, p2:
+            got = planned(x)
         n = x.numel() // 24
-        assert got.shape == want.shape
+        assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert seen == [ROWS if pad_from <= n < ROWS else n], (shape, seen)
+        step = MIXED[n - 1] if n <= ROWS else None
+        assert seen == [("linear", n) if step is None else (step[1], step[0])], (shape, seen)
 
 
-def test_pad_rows_keeps_the_tied_weight_and_the_models_logits(tiny_members):
+def test_pad_rows_keeps_the_tied_weight_and_the_models_logits(tiny_members, monkeypatch):
     model = tiny_members["gemma"].model
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     assert head.weight is emb.weight  # Gemma ties them
-    assert type(head) is nn.Linear  # 32 MB: too small to be timed or padded by default
+    assert pad_rows(model) == {} and type(head) is nn.Linear  # 32 inputs: too small to be timed or planned
     x = torch.tensor([[2, 10, 20, 30, 40, 50, 60, 70, 80]])
     with torch.inference_mode():
         want = model(input_ids=x).logits
+    monkeypatch.setattr(headpad, "MIN_IN", 1)  # plan every layer of the tiny model
+    monkeypatch.setattr(headpad, "MIN_BYTES", 0)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is nn.Linear}
     try:
-        assert pad_rows(model, 4) == 4
+        assert pad_rows(model, {s: MIXED for s in shapes}) == {s: MIXED for s in shapes}
         assert model.get_output_embeddings() is head and type(head) is RowPadded and head.weight is emb.weight
-        seen, patch = _spy_rows()
-        with torch.inference_mode(), patch:
+        assert all(type(m) is RowPadded for m in model.modules() if isinstance(m, nn.Linear))
+        seen, p1, p2 = _spy()
+        with torch.inference_mode(), p1, p2:
             got = model(input_ids=x).logits
-        assert ROWS in seen  # the 9 rows ran as 16
+            last = model(input_ids=x, logits_to_keep=1).logits
+        assert ("linear", 16) in seen and ("mm", 4) in seen  # the 9 rows ran as 16, the last one as 4
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert pad_rows(model) == 4  # already padded: as it is
+        torch.testing.assert_close(last, want[:, -1:], atol=1e-5, rtol=1e-5)
+        assert pad_rows(model) == {s: MIXED for s in shapes}  # planned already: as it is
     finally:
-        assert pad_rows(model, None) is None
+        assert pad_rows(model, None) == {}
     assert type(head) is nn.Linear and head.weight is emb.weight
+    assert not any(type(m) is RowPadded for m in model.modules())
 
 
-def test_pad_rows_leaves_small_quantized_and_non_cpu_heads_alone(tiny_members):
+def test_pad_rows_leaves_small_quantized_and_non_cpu_layers_alone_and_checks_a_plan(tiny_members, monkeypatch):
     model = tiny_members["smol"].model
-    assert pad_rows(model) is None and type(model.get_output_embeddings()) is nn.Linear
-    meta = nn.Module()
-    meta.get_output_embeddings = lambda: nn.Linear(64, 1 << 20, bias=False, device="meta")
-    assert pad_rows(meta, 4) is None  # not on the CPU
-    half = nn.Module()
+    assert pad_rows(model) == {} and type(model.get_output_embeddings()) is nn.Linear
+    monkeypatch.setattr(headpad, "MIN_IN", 1)
+    monkeypatch.setattr(headpad, "MIN_BYTES", 0)
+    meta = nn.Sequential(nn.Linear(64, 1 << 20, bias=False, device="meta"))
+    assert pad_rows(meta, {(1 << 20, 64): MIXED}) == {}  # not on the CPU
     q = nn.Linear(8, 8)
     q.weight = nn.Parameter(torch.zeros(8, 8, dtype=torch.int8), requires_grad=False)
-    half.get_output_embeddings = lambda: q
-    assert pad_rows(half, 4) is None and type(q) is nn.Linear  # not a float weight
+    assert pad_rows(nn.Sequential(q), {(8, 8): MIXED}) == {} and type(q) is nn.Linear  # not a float weight
+    hooked = nn.Linear(8, 8)
+    hooked._hf_hook = object()  # accelerate's offloading: its forward is not ours to change
+    assert pad_rows(nn.Sequential(hooked), {(8, 8): MIXED}) == {} and type(hooked) is nn.Linear
+    layer = nn.Linear(8, 8)
+    for bad in [MIXED[:-1], ((2, "mm"),) * ROWS, ((16, "gemv"),) * ROWS]:
+        with pytest.raises(ValueError, match="plan"):
+            set_plan(layer, bad)
+    assert type(layer) is nn.Linear
+
+
+def _timings(plain: dict, mm: dict) -> dict:
+    return {(n, "linear"): t for n, t in plain.items()} | {(n, "mm"): t for n, t in mm.items()}
+
+
+ONE_TO_16 = range(1, ROWS + 1)
+# ms: Gemma-3's output layer on a 2-core AMD EPYC (linear at every row count; mm at 4, 8 and 16)
+HEAD = (
+    {n: t for n, t in zip(ONE_TO_16, [47, 89, 142, 92, 105, 129, 148, 84, 95, 120, 143, 65, 83, 70, 105, 90])},
+    {4: 21, 8: 49, 16: 65},
+)
+# us: SmolLM2's 576 x 576 layer there (mm at every row count)
+INNER = (
+    {n: 21 if n == 1 else 38 if n == 2 else 55 + n for n in ONE_TO_16},
+    {n: 22 if n == 1 else 26 if n == 2 else 33 if n <= 4 else 70 + 4 * n for n in ONE_TO_16},
+)
 
 
 @pytest.mark.parametrize(
-    "times, want",
+    "plain, mm, want",
     [
-        ({16: 0.060, 4: 0.058, 7: 0.086}, 7),  # MKL on a 2-core AVX-512 Xeon: 3 rows a pass below 16
-        ({16: 0.060, 4: 0.070, 7: 0.090}, 4),
-        ({16: 0.035, 4: 0.030, 7: 0.033}, None),  # a library without the slow path
+        (
+            *HEAD,
+            "1-4 rows as 4 (mm), 5-8 rows as 8 (mm), 9-11 rows as 12 (linear), 13 rows as 16 (mm), "
+            "15-16 rows as 16 (mm)",
+        ),
+        (*INNER, "2 rows as 2 (mm), 3 rows as 3 (mm), 4 rows as 4 (mm)"),
+        ({n: 20 + n for n in ONE_TO_16}, {n: 22 + n for n in ONE_TO_16}, "as it is"),  # no slow path
+        ({n: 25 if n == 1 else 56 if n < 16 else 30 for n in ONE_TO_16}, {}, "2-15 rows as 16 (linear)"),
     ],
 )
-def test_the_measured_rule(times, want, monkeypatch):
+def test_the_plan_from_timings(plain, mm, want, monkeypatch):
+    assert describe(plan_from(_timings(plain, mm))) == want
     monkeypatch.setattr(headpad, "_DECISIONS", {})
-    monkeypatch.setattr(headpad, "_time", lambda head, rows: times[rows])
-    head = nn.Linear(8, 8, bias=False)
-    assert headpad.measure(head) == want
-    monkeypatch.setattr(headpad, "_time", lambda head, rows: pytest.fail("timed twice"))
-    assert headpad.measure(head) == want  # once per process and shape
+    timed = {"linear": plain, "mm": mm}
+    monkeypatch.setattr(headpad, "_time", lambda layer, rows, kernel, warm=True: timed[kernel].get(rows, 1e9))
+    layer = nn.Linear(8, 8, bias=False)
+    assert describe(headpad.measure(layer)) == want
+    monkeypatch.setattr(headpad, "_time", lambda *a: pytest.fail("timed twice"))
+    assert describe(headpad.measure(layer)) == want  # once per process and shape
 
 
 @pytest.mark.real
-def test_real_gemma_logits_are_those_of_the_plain_output_layer(real_dirs):
+def test_real_gemma_logits_are_those_of_the_plain_layers(real_dirs):
     from helpers import GEMMA
 
     from ensemble_llm.members import load_member
 
     m = load_member(real_dirs[GEMMA], device="cpu", dtype="float32")
-    assert m.head_pad in (None, 4, 7)  # what this machine's timing chose
+    planned = m.row_plans  # what this machine's timing chose
+    shapes = {tuple(layer.weight.shape) for layer in m.model.modules() if type(layer) in (nn.Linear, RowPadded)}
+    assert set(planned) <= shapes and all(len(p) == ROWS for p in planned.values())
     ids = m.prompt_ids("Q: What is the capital of France?\nA: Paris\nQ: And of Italy?\nA:")
-    x = torch.tensor([ids[:12]])
-    before = m.head_pad
     try:
-        pad_rows(m.model, None)
-        with torch.inference_mode():
-            want = m.model(input_ids=x).logits
-        pad_rows(m.model, 4)
-        with torch.inference_mode():
-            got = m.model(input_ids=x).logits
+        for plan in [((4, "mm"),) * 4 + (None,) * 12, ((16, "linear"),) * ROWS, ((16, "mm"),) * ROWS]:
+            for n in (1, 3, 12):
+                x = torch.tensor([ids[:n]])
+                pad_rows(m.model, None)
+                with torch.inference_mode():
+                    want = m.model(input_ids=x).logits
+                assert pad_rows(m.model, {s: plan for s in shapes}) == {s: plan for s in shapes}
+                with torch.inference_mode():
+                    got = m.model(input_ids=x).logits
+                # every layer's rounding, through 18 layers: within 1e-3 of logits of size ~10
+                torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+                assert got[0].argmax(-1).tolist() == want[0].argmax(-1).tolist()
     finally:
-        pad_rows(m.model, before)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert got[0].argmax(-1).tolist() == want[0].argmax(-1).tolist()
+        pad_rows(m.model, planned)
+    assert m.row_plans == planned

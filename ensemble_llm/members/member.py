@@ -191,8 +191,8 @@ class Member(TokenizerView):
         self.forward_time = 0.0
         self._ready = threading.local()  # per thread: a prompt's state that score_prompt ran, for the next prefill
         self._head_ok: bool | None = None  # see head_splits
-        # products of a few rows with a large output layer run as 16 where the CPU's library is slow at them
-        self.head_pad = pad_rows(self.model) if self.device.type == "cpu" else None
+        # linear layers' products of a few rows planned where the CPU's library is slow at them, by shape
+        self.row_plans = pad_rows(self.model) if self.device.type == "cpu" else {}
         self._lock = threading.RLock()  # one forward at a time; a RowGroup is changed under it
 
     def __repr__(self) -> str:
