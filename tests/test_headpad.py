@@ -91,6 +91,13 @@ def test_pad_rows_leaves_small_quantized_and_non_cpu_layers_alone_and_checks_a_p
     q = nn.Linear(8, 8)
     q.weight = nn.Parameter(torch.zeros(8, 8, dtype=torch.int8), requires_grad=False)
     assert pad_rows(nn.Sequential(q), {(8, 8): MIXED}) == {} and type(q) is nn.Linear  # not a float weight
+
+    class Quantized(torch.Tensor):  # a weight of a tensor subclass, as torchao's Int8Tensor: no mm of ours
+        pass
+
+    sub = nn.Linear(8, 8)
+    sub.weight = nn.Parameter(torch.zeros(8, 8).as_subclass(Quantized), requires_grad=False)
+    assert pad_rows(nn.Sequential(sub), {(8, 8): MIXED}) == {} and type(sub) is nn.Linear
     hooked = nn.Linear(8, 8)
     hooked._hf_hook = object()  # accelerate's offloading: its forward is not ours to change
     assert pad_rows(nn.Sequential(hooked), {(8, 8): MIXED}) == {} and type(hooked) is nn.Linear

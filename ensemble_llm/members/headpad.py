@@ -131,10 +131,12 @@ def describe(plan: Plan | None) -> str:
 
 def _plannable(layer: nn.Module) -> bool:
     """A float nn.Linear (or one planned already) on the CPU that nothing else wraps (a quantized
-    subclass, an accelerate hook), large enough to time."""
+    subclass of the layer or of its weight, an accelerate hook), large enough to time."""
     if type(layer) not in (nn.Linear, RowPadded) or hasattr(layer, "_hf_hook"):
         return False
     w = layer.weight
+    if type(w) not in (nn.Parameter, torch.Tensor):  # a quantized tensor subclass (torchao's Int8Tensor)
+        return False
     return (
         w.device.type == "cpu"
         and w.is_floating_point()
