@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="send the prompts this many times (e.g. 8: 64 requests)")
     ap.add_argument("--server", action="store_true", help="through a real `ensemble-llm serve` process")
     ap.add_argument("--ray", action="store_true", help="placement='ray': each member in an actor of a local cluster")
-    ap.add_argument("--no-head-pad", action="store_true", help="in process: undo members/headpad.py's plan")
+    ap.add_argument("--no-head-pad", action="store_true", help="in process: undo every layer's plan (headpad.py)")
     ap.add_argument("--out", default="batching")
     args = ap.parse_args()
     from ensemble_llm import Ensemble
