@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--server", action="store_true", help="through a real `ensemble-llm serve` process")
     ap.add_argument("--ray", action="store_true", help="placement='ray': each member in an actor of a local cluster")
     ap.add_argument("--no-head-pad", action="store_true", help="in process: undo every layer's plan (headpad.py)")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="in process: no prompt prefix reuse (prefix.py)")
     ap.add_argument("--out", default="batching")
     args = ap.parse_args()
     from ensemble_llm import Ensemble
@@ -106,6 +107,9 @@ def main() -> None:
 
                 for m in engine.members:
                     pad_rows(m.model, None)
+            for m in engine.members if args.no_prefix_cache and not args.ray else ():
+                m.prefixes.max_bytes = 0
+                m.prefixes.clear()
 
             def ask(p, engine=engine):
                 r = engine.generate(p, max_new_tokens=args.max_tokens)
@@ -152,6 +156,7 @@ def main() -> None:
         + (" --server" if args.server else "")
         + (" --ray" if args.ray else "")
         + (" --no-head-pad" if args.no_head_pad else "")
+        + (" --no-prefix-cache" if args.no_prefix_cache else "")
         + f" --methods {args.methods} --clients {args.clients} --max-tokens {args.max_tokens}"
         + f" --repeat {args.repeat} --max-batch {max_batch}`.",
         "",

@@ -2,9 +2,12 @@
 (`Member.score_prompt`, the logits of the answer rows too) against the plain prefill (the last
 row only), per member, on one few-shot prompt of every suite task. Both run side by side,
 alternating, `--repeats` times; the table gives medians and the extra time per request next to a
-whole request's time (unite, the same prompt, greedy to the first newline). The scored prefill is
-also timed with the linear layers as they are (`members/headpad.py`'s plans undone), alternating
-with the planned ones, so the plans' share is measured in the same run.
+whole request's time (unite, the same prompt, greedy to the first newline). Each is measured
+cold (prefix reuse off: the whole prompt runs) and warm (the task's previous request, another
+example with the same shots, stored with its scores, as a run over a task leaves it: the shots'
+scores are read, members/prefix.py). The cold scored prefill is also timed with the linear layers
+as they are (`members/headpad.py`'s plans undone), alternating with the planned ones, so the
+plans' share is measured in the same run.
 
     python benchmarks/evidence_cost.py --out benchmarks/results/evidence_cost
 """
@@ -12,6 +15,7 @@ with the planned ones, so the plans' share is measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -21,6 +25,7 @@ from ensemble_llm import Ensemble
 from ensemble_llm.bench import SUITE, bundled_task, load_task
 from ensemble_llm.evidence import answer_positions, answer_spans
 from ensemble_llm.members.headpad import describe, pad_rows
+from ensemble_llm.members.prefix import PrefixCache
 
 
 def main() -> None:
@@ -29,43 +34,7 @@ def main() -> None:
     ap.add_argument("--out", default="evidence-cost")
     args = ap.parse_args()
     eng = Ensemble(method="unite", progress=False).load()
-    rows = []
-    for task in SUITE:
-        shots, exs = load_task(bundled_task(task), 1)
-        prompt = shots + f"Q: {exs[0]['input'].strip()}\nA:"
-        n = len(eng.members)
-        plain, scored, unpadded, positions = [0.0] * n, [0.0] * n, [0.0] * n, []
-        for i, m in enumerate(eng.members):
-            ids = m.prompt_ids(prompt)
-            pos = answer_positions(m, prompt, ids, answer_spans(prompt))
-            positions.append(len(pos))
-            a, b, c = [], [], []
-            for _ in range(args.repeats):
-                a.append(_timed(m.prefill, ids))
-                b.append(_timed(_scored, m, ids, pos))
-                pad_rows(m.model, None)
-                c.append(_timed(_scored, m, ids, pos))
-                pad_rows(m.model, m.row_plans)
-            plain[i], scored[i], unpadded[i] = (statistics.median(x) for x in (a, b, c))
-        req = statistics.median(
-            eng.generate(prompt, raw=True, stop=["\n"], max_new_tokens=24).stats["time_s"] for _ in range(args.repeats)
-        )
-        extra = sum(scored) - sum(plain)
-        rows.append(
-            {
-                "task": task,
-                "prompt_tokens": [len(m.prompt_ids(prompt)) for m in eng.members],
-                "scored_positions": positions,
-                "prefill_s": plain,
-                "scored_prefill_s": scored,
-                "scored_prefill_unpadded_s": unpadded,
-                "extra_unpadded_s": sum(unpadded) - sum(plain),
-                "extra_s": extra,
-                "request_s": req,
-                "extra_fraction_of_request": extra / req,
-            }
-        )
-        print(rows[-1])
+    rows = [_task_row(eng, task, args.repeats) for task in SUITE]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = [m.name for m in eng.members]
@@ -73,34 +42,124 @@ def main() -> None:
     (out / "results.json").write_text(
         json.dumps({"members": names, "head_plan": pads, "repeats": args.repeats, "rows": rows}, indent=2)
     )
+    (out / "results.md").write_text(_table(names, pads, rows, args) + "\n")
+    print(_table(names, pads, rows, args))
+
+
+def _task_row(eng, task: str, repeats: int) -> dict:
+    """One task's prompt (its first example; the previous request: its second example's prompt),
+    cold (prefix reuse off) and warm (the previous prompt stored, with its scores)."""
+    shots, exs = load_task(bundled_task(task), 2)
+    prompt, before = (shots + f"Q: {e['input'].strip()}\nA:" for e in exs)
+    n = len(eng.members)
+    plain, scored, unplanned, warm_plain, warm_scored = ([0.0] * n for _ in range(5))
+    positions = []
+    for i, m in enumerate(eng.members):
+        ids, ids0 = m.prompt_ids(prompt), m.prompt_ids(before)
+        pos = answer_positions(m, prompt, ids, answer_spans(prompt))
+        pos0 = answer_positions(m, before, ids0, answer_spans(before))
+        positions.append(len(pos))
+        a, b, c, d, e = [], [], [], [], []
+        for _ in range(repeats):
+            with _prefixes(m, 0):
+                a.append(_timed(m.prefill, ids))
+                b.append(_timed(_scored, m, ids, pos))
+                pad_rows(m.model, None)
+                c.append(_timed(_scored, m, ids, pos))
+                pad_rows(m.model, m.row_plans)
+            with _prefixes(m, 2**30):
+                _scored(m, ids0, pos0)
+                d.append(_timed(m.prefill, ids))
+            with _prefixes(m, 2**30):
+                _scored(m, ids0, pos0)
+                e.append(_timed(_scored, m, ids, pos))
+        for out, xs in zip((plain, scored, unplanned, warm_plain, warm_scored), (a, b, c, d, e)):
+            out[i] = statistics.median(xs)
+    ask = dict(raw=True, stop=["\n"], max_new_tokens=24)
+    cold, warm = [], []
+    for _ in range(repeats):
+        with contextlib.ExitStack() as stack:
+            for m in eng.members:
+                stack.enter_context(_prefixes(m, 0))
+            cold.append(eng.generate(prompt, **ask).stats["time_s"])
+        with contextlib.ExitStack() as stack:
+            for m in eng.members:
+                stack.enter_context(_prefixes(m, 2**30))
+            eng.generate(before, **ask)
+            warm.append(eng.generate(prompt, **ask).stats["time_s"])
+    row = {
+        "task": task,
+        "prompt_tokens": [len(m.prompt_ids(prompt)) for m in eng.members],
+        "scored_positions": positions,
+        "prefill_s": plain,
+        "scored_prefill_s": scored,
+        "scored_prefill_unpadded_s": unplanned,
+        "extra_unpadded_s": sum(unplanned) - sum(plain),
+        "extra_s": sum(scored) - sum(plain),
+        "request_s": statistics.median(cold),
+        "warm_prefill_s": warm_plain,
+        "warm_scored_prefill_s": warm_scored,
+        "warm_extra_s": sum(warm_scored) - sum(warm_plain),
+        "warm_request_s": statistics.median(warm),
+    }
+    row["extra_fraction_of_request"] = row["extra_s"] / row["request_s"]
+    row["warm_extra_fraction_of_request"] = row["warm_extra_s"] / row["warm_request_s"]
+    print(row, flush=True)
+    return row
+
+
+def _table(names, pads, rows, args) -> str:
+    def pair(xs):
+        return "/".join(f"{x:.3f}" for x in xs)
+
     lines = [
         f"# Cost of the per-request weights ({', '.join(names)}, CPU, median of {args.repeats})",
         "",
-        "| task | prompt tokens | scored rows | prefill s | prefill + scoring s | extra s | unite request s "
-        "| extra / request | extra, output layer unpadded |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Cold: no stored prompt (prefix reuse off). Warm: the task's previous request (its next example, the same "
+        "shots) stored with its scores, as a run over a task leaves it (members/prefix.py).",
+        "",
+        "| task | prompt tokens | scored rows | cold prefill s | cold prefill + scoring s | cold extra s "
+        "| cold request s | cold extra / request | warm prefill s | warm prefill + scoring s | warm extra s "
+        "| warm request s | warm extra / request | cold extra, layers unplanned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['task']} | {'/'.join(map(str, r['prompt_tokens']))} | {'/'.join(map(str, r['scored_positions']))} | "
-            f"{'/'.join(f'{x:.3f}' for x in r['prefill_s'])} | {'/'.join(f'{x:.3f}' for x in r['scored_prefill_s'])} | "
-            f"{r['extra_s']:+.3f} | {r['request_s']:.2f} | {r['extra_fraction_of_request']:.1%} | "
-            f"{r['extra_unpadded_s']:+.3f} ({r['extra_unpadded_s'] / r['request_s']:.1%}) |"
+            f"| {r['task']} | {'/'.join(map(str, r['prompt_tokens']))} | {'/'.join(map(str, r['scored_positions']))} "
+            f"| {pair(r['prefill_s'])} | {pair(r['scored_prefill_s'])} | {r['extra_s']:+.3f} | {r['request_s']:.2f} "
+            f"| {r['extra_fraction_of_request']:.1%} | {pair(r['warm_prefill_s'])} "
+            f"| {pair(r['warm_scored_prefill_s'])} "
+            f"| {r['warm_extra_s']:+.3f} | {r['warm_request_s']:.2f} | {r['warm_extra_fraction_of_request']:.1%} "
+            f"| {r['extra_unpadded_s']:+.3f} ({r['extra_unpadded_s'] / r['request_s']:.1%}) |"
         )
-    mean = statistics.mean(r["extra_fraction_of_request"] for r in rows)
-    mean_unpadded = statistics.mean(r["extra_unpadded_s"] / r["request_s"] for r in rows)
-    pooled = sum(r["extra_s"] for r in rows) / sum(r["request_s"] for r in rows)
+
+    def summary(key, frac):
+        mean = statistics.mean(r[frac] for r in rows)
+        pooled = sum(r[key] for r in rows) / sum(r[frac.replace("extra_fraction_of_", "") + "_s"] for r in rows)
+        return f"mean {mean:.1%}, pooled {pooled:.1%}"
+
+    mean_unplanned = statistics.mean(r["extra_unpadded_s"] / r["request_s"] for r in rows)
     lines += [
         "",
-        f"Output layers' plans (members/headpad.py, timed at load; unpadded: every layer's plan undone): {pads}.",
+        f"Output layers' plans (members/headpad.py, timed at load; unplanned: every layer's plan undone): {pads}.",
         "",
-        f"Mean extra over a whole request: {mean:.1%} (unpadded output layers: {mean_unpadded:.1%}); "
-        f"the extra time of all seven over their requests' time: {pooled:.1%}.",
+        f"Extra over a whole request, cold: {summary('extra_s', 'extra_fraction_of_request')} (layers unplanned: "
+        f"mean {mean_unplanned:.1%}); warm: {summary('warm_extra_s', 'warm_extra_fraction_of_request')} "
+        "(pooled: the extra time of all seven over their requests' time).",
         "",
         f"Command: `python benchmarks/evidence_cost.py --repeats {args.repeats} --out {args.out}`",
     ]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _prefixes(member, max_bytes: int):
+    """The member's prompt prefix store emptied and bounded at max_bytes inside the block (0: off)."""
+    kept, member.prefixes = member.prefixes, PrefixCache(max_bytes)
+    try:
+        yield
+    finally:
+        member.prefixes = kept
 
 
 def _timed(fn, *args) -> float:

@@ -124,7 +124,8 @@ def test_chat_history_answers_are_evidence(tiny_dirs):
 
 def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, monkeypatch):
     """Requests with per-request weights at once: their prompt scorings share forwards (one per
-    member for the four prompts here), and each gets its one-at-a-time evidence, weights and text."""
+    member for the four prompts here), and each gets its one-at-a-time evidence, weights and text;
+    so again once their shots are stored (prefix.py), when no prompt forward runs from scratch."""
     members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     prompts = [FEW_SHOT.replace("Peru", c) for c in ("Peru", "Chile", "Italy", "Kenya")]
     one = Ensemble(members, method="unite", max_batch=1)
@@ -137,17 +138,23 @@ def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, mo
         return forward(member, calls, scoring)
 
     monkeypatch.setattr(batching, "_prefill_forward", spy)
+    for m in many.members:  # the members are `one`'s too: its stored prompts would give these their shots
+        m.prefixes.clear()
     before = [m.n_forward for m in many.members]
     together = many.generate_many(prompts, raw=True, max_new_tokens=6, stop=["\n"])
     assert max(scored) >= 2  # several requests' scorings in one forward
-    for a, b in zip(alone, together):
-        assert b.text == a.text
-        assert b.stats["evidence"] == pytest.approx(a.stats["evidence"], abs=2e-3)
-        assert b.stats["member_weights"] == pytest.approx(a.stats["member_weights"], abs=1e-3)
-        assert all(st["prefills"] == 1 for st in b.stats["members"].values())
     ran = sum(m.n_forward for m in many.members) - sum(before)
     took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
     assert ran < took_part
+    scored.clear()
+    again = many.generate_many(prompts, raw=True, max_new_tokens=6, stop=["\n"])  # shots stored (prefix.py)
+    assert scored == [] and all(m.prefixes.hits >= len(prompts) for m in many.members)
+    for a, b, c in zip(alone, together, again):
+        for r in (b, c):
+            assert r.text == a.text
+            assert r.stats["evidence"] == pytest.approx(a.stats["evidence"], abs=2e-3)
+            assert r.stats["member_weights"] == pytest.approx(a.stats["member_weights"], abs=1e-3)
+            assert all(st["prefills"] == 1 for st in r.stats["members"].values())
 
 
 # ---- solo: a member that holds the prior and the evidence runs alone -----------------------------------

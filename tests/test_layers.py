@@ -26,6 +26,7 @@ FLOORS = {
         "members.vocab",
         "members.protocol",
         "members.headpad",
+        "members.prefix",
         "members.member",
         "members.bytelm",
         "members.loader",

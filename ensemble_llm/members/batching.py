@@ -178,16 +178,21 @@ class RowGroup:
         for r, s in enumerate(states):
             s.row = r
 
-    def release(self, state: Any) -> None:
-        """Take `state` out of the group: its columns become a cache of its own."""
+    def row_kv(self, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row `state`'s KV, per layer (keys, values) [1, heads, its tokens, dim]."""
         r = state.row
         cols = self.valid[r].nonzero()[:, 0]
         data = []
         for layer in self.cache.layers:
             c = cols.to(layer.keys.device)
             data.append((layer.keys[r : r + 1, :, c], layer.values[r : r + 1, :, c]))
-        state.cache = DynamicCache(ddp_cache_data=data) if len(cols) else DynamicCache()
-        self.rows[r] = None
+        return data
+
+    def release(self, state: Any) -> None:
+        """Take `state` out of the group: its columns become a cache of its own."""
+        data = self.row_kv(state)
+        state.cache = DynamicCache(ddp_cache_data=data) if data and data[0][0].shape[2] else DynamicCache()
+        self.rows[state.row] = None
         state.group, state.row = None, -1
 
     def keep(self, state: Any, s: int, n: int, total: int) -> None:
@@ -257,34 +262,54 @@ class RowGroup:
 
 
 def run_prefills(member: Any, calls: list[_Call]) -> None:
-    """Several requests' prompts in one forward, left-padded (each row at its own positions; the
-    model masks the pads, sliding windows included); their states become the rows of a new group,
-    ready for the steps. A lone prompt runs on its own cache. A prompt scored too (`positions`:
-    score_prompt) gets the output layer at its own rows of the final hidden states."""
+    """Several requests' prompts: those that begin like a stored prompt (prefix.py) start from its
+    KV and run their rest as one step of a new group; the others run in one forward, left-padded
+    (each row at its own positions; the model masks the pads, sliding windows included), their
+    states the rows of a new group, ready for the steps. A lone prompt runs on its own cache. A
+    prompt scored too (`positions`: score_prompt) gets the output layer at its own rows."""
     with member._lock:
-        if len(calls) == 1:
-            c = calls[0]
-            if c.positions is not None:
-                c.result = member._score_prompt_own(c.state, c.ids, c.positions, tally=c.tally)
-            else:
-                c.result = member._extend_own(c.state, c.ids, last_only=True, tally=c.tally)
-            return
-        scoring = any(c.positions is not None for c in calls)  # rows that want logits at their own positions
-        out, cache, valid, pos = _prefill_forward(member, calls, scoring)
-        logits = member.head(out[:, -1]) if scoring else out[:, -1]
-        RowGroup(member, [c.state for c in calls], (cache, valid, torch.where(valid, pos, -1)))
-        width = valid.shape[1]
-        for r, c in enumerate(calls):
-            if c.positions is not None:  # the rows before its positions (left-padded by width - len)
-                at = [width - len(c.ids) + p - 1 for p in c.positions]
-                rows = torch.cat([member.head(out[r, torch.tensor(at, device=out.device)]), logits[r : r + 1]])
-                c.result = member.prompt_scores(c.state, c.ids, c.positions, rows)
-                continue
-            row = logits[r].float()
-            logp = torch.log_softmax(row, dim=-1)
-            c.state.ids.extend(c.ids)
-            c.state.next_logprobs, c.state.next_logits = logp, row
-            c.result = logp[None]
+        seeds = {id(c): member.seed(c.state, c.ids, c.positions) for c in calls}
+        fresh = [c for c in calls if not seeds[id(c)][0]]
+        seeded = [c for c in calls if seeds[id(c)][0]]
+        for part, run in ((fresh, _fresh_prompts), (seeded, _seeded_prompts)):
+            if len(part) == 1:
+                c = part[0]
+                c.result = member._prompt_own(c.state, c.ids, c.positions, tally=c.tally, seeded=seeds[id(c)])
+            elif part:
+                run(member, part, seeds)
+
+
+def _fresh_prompts(member: Any, calls: list[_Call], seeds: dict) -> None:
+    """Prompts with no stored beginning: one left-padded forward, their states a new group."""
+    scoring = any(c.positions is not None for c in calls)  # rows that want logits at their own positions
+    out, cache, valid, pos = _prefill_forward(member, calls, scoring)
+    logits = member.head(out[:, -1]) if scoring else out[:, -1]
+    RowGroup(member, [c.state for c in calls], (cache, valid, torch.where(valid, pos, -1)))
+    width = valid.shape[1]
+    for r, c in enumerate(calls):
+        rows = logits[r : r + 1]
+        if c.positions is not None:  # the rows before its positions (left-padded by width - len)
+            at = [width - len(c.ids) + p - 1 for p in c.positions]
+            rows = torch.cat([member.head(out[r, torch.tensor(at, device=out.device)]), rows])
+        c.result = member.prompt_scores(c.state, c.ids, c.positions, rows)
+
+
+def _seeded_prompts(member: Any, calls: list[_Call], seeds: dict) -> None:
+    """Prompts started from stored beginnings: their rests as one step of a new group of them."""
+    steps = [_Call(member, c.state, c.ids[len(c.state.ids) :], c.tally, last_only=c.positions is None) for c in calls]
+    RowGroup(member, [c.state for c in calls]).step(steps)
+    for c, s in zip(calls, steps):
+        n, entry = seeds[id(c)]
+        if c.positions is None:
+            member.keep_prompt(c.state, {})
+            c.result = s.result
+            continue
+        run = [p for p in c.positions if p > n]  # s.result: log-probs [len(rest), V]; row p-1-n predicts p
+        scores = dict(entry.scores)
+        for p in run:
+            scores[p] = float(s.result[p - 1 - n, c.ids[p]])
+        member.keep_prompt(c.state, scores)
+        c.result = [scores[p] for p in c.positions]
 
 
 def _prefill_forward(member: Any, calls: list[_Call], scoring: bool) -> tuple:

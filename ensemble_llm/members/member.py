@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from .batching import SCHEDULER, Tally
 from .bytelm import ByteLM
 from .headpad import pad_rows
+from .prefix import PrefixCache, configured_bytes, seed_cache
 from .vocab import Vocab, token_bytes
 
 _GUARD = threading.local()
@@ -193,6 +194,7 @@ class Member(TokenizerView):
         self._head_ok: bool | None = None  # see head_splits
         # linear layers' products of a few rows planned where the CPU's library is slow at them, by shape
         self.row_plans = pad_rows(self.model) if self.device.type == "cpu" else {}
+        self.prefixes = PrefixCache(configured_bytes())  # recent prompts' KV, for prompts that begin alike
         self._lock = threading.RLock()  # one forward at a time; a RowGroup is changed under it
 
     def __repr__(self) -> str:
@@ -273,6 +275,8 @@ class Member(TokenizerView):
                 return SCHEDULER.prefill(self, state, ids, current_tally(), guard=current_guard())
             return SCHEDULER.extend(self, state, list(ids), current_tally(), last_only, guard=current_guard())
         self._own(state)
+        if prompt:
+            return self._prompt_own(state, list(ids))
         return self._extend_own(state, ids, last_only)
 
     def _extend_own(self, state: KVState, ids: Sequence[int], last_only: bool = False, tally=None) -> torch.Tensor:
@@ -326,24 +330,62 @@ class Member(TokenizerView):
             self._ready.state = None
 
     def _score_prompt_own(self, state: KVState, ids: list[int], positions: list[int], tally=None) -> list[float]:
-        rows = [p - 1 for p in positions] + [len(ids) - 1]
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self._prompt_own(state, ids, positions, tally)
+
+    def _prompt_own(
+        self, state: KVState, ids: list[int], positions: list[int] | None = None, tally=None, seeded=None
+    ) -> Any:
+        """A prompt into the empty `state` in a forward of its own, from the longest stored
+        beginning (prefix.py; `seeded`: what `seed` already put there): the last row's log-probs
+        [1, V], or with `positions`, score_prompt's answer (only the rows before the positions it
+        runs and the last row get the output layer)."""
+        n, entry = self.seed(state, ids, positions) if seeded is None else seeded
+        rest, run = ids[n:], [p for p in positions or () if p > n]
+        x = torch.tensor([rest], dtype=torch.long, device=self.device)
+        keep = torch.tensor([p - 1 - n for p in run] + [len(rest) - 1], dtype=torch.long, device=self.device)
         tallies = None if tally is None else [tally]
         logits = self._forward(tallies, input_ids=x, cache=state.cache, use_cache=True, logits_to_keep=keep)[0]
-        return self.prompt_scores(state, ids, positions, logits)
+        return self.prompt_scores(state, ids, positions, logits, n, entry)
 
-    def prompt_scores(self, state: KVState, ids: list[int], positions: list[int], logits: torch.Tensor) -> list[float]:
-        """score_prompt's answer from the logits of the rows before `positions` and of the last
-        row (in that order); `state`, which holds the prompt's KV, gets its ids and next row."""
+    def seed(self, state: KVState, ids: list[int], positions: list[int] | None = None) -> tuple[int, Any]:
+        """Start the empty `state` from the longest stored beginning of `ids` (prefix.py): (n, entry),
+        n the tokens it holds now (0, None: none; the whole prompt runs)."""
+        n, entry = self.prefixes.match(ids, positions)
+        if entry is not None:
+            state.cache, state.ids = seed_cache(entry, n), list(ids[:n])
+        return n, entry
+
+    def prompt_scores(
+        self, state: KVState, ids: list[int], positions, logits: torch.Tensor, n: int = 0, entry: Any = None
+    ) -> Any:
+        """A prompt's answer from the logits of the rows before the `positions` past n (the first
+        n tokens came from `entry`, prefix.py) and of its last row, in that order: `state`, which
+        holds the prompt's KV, gets its ids and next row, and the prompt is stored for reuse.
+        Returns the last row's log-probs [1, V], or with `positions` their scores."""
         last = logits[-1:].float()
-        state.ids.extend(ids)
+        del state.ids[n:]
+        state.ids.extend(ids[n:])
         state.next_logits, state.next_logprobs = last[0], torch.log_softmax(last, dim=-1)[0]
-        if not positions:
-            return []
-        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-        tgt = torch.tensor([ids[p] for p in positions], device=logp.device)
-        return logp.gather(1, tgt[:, None])[:, 0].tolist()
+        run = [p for p in positions or () if p > n]
+        scores = dict(entry.scores) if entry is not None else {}
+        if run:
+            logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+            tgt = torch.tensor([ids[p] for p in run], device=logp.device)
+            scores.update(zip(run, logp.gather(1, tgt[:, None])[:, 0].tolist()))
+        self.keep_prompt(state, scores)
+        return state.next_logprobs[None] if positions is None else [scores[p] for p in positions]
+
+    def keep_prompt(self, state: KVState, scores: dict[int, float]) -> None:
+        """Store the prompt `state` holds (its KV copied) for later prompts that begin alike."""
+        if self.prefixes.max_bytes <= 0:
+            return
+        if state.group is not None:
+            kv = state.group.row_kv(state)
+        elif any(getattr(layer, "keys", None) is None for layer in state.cache.layers):
+            return  # a layer without its own KV (shared across layers): nothing to copy
+        else:
+            kv = [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers]
+        self.prefixes.put(state.ids, kv, scores)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on final hidden states (the model's own: lm_head and, where the config
