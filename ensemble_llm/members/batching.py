@@ -7,7 +7,8 @@ not run at once: it waits in `SCHEDULER` for the step, and so does a prompt's pr
 when every running request is waiting in one (iteration-level scheduling, as in Orca: a request
 inside a forward of its own, such as the prompt scoring of per-request weights, is not waited
 for, and one still doing Python work is waited for up to `GATHER_S`). A step runs every waiting
-prompt (one left-padded forward per member, `run_prefills`) and, of the extends and smc's trees,
+prompt (one left-padded forward per member, `run_prefills`; prompts that begin like a stored one
+start from its KV and run only their rests, prefix.py) and, of the extends and smc's trees,
 ONE forward: the largest member's group, the others waiting for later steps (at most `MAX_DEFER`)
 so that the requests fall into phase (`StepScheduler._take`).
 
