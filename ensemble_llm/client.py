@@ -118,7 +118,9 @@ def _result(
         args = fn["arguments"] if isinstance(fn, dict) else fn.arguments
         calls.append(ToolCall(name, json.loads(args or "{}"), c["id"] if isinstance(c, dict) else c.id))
     extra = extra or {}
-    u = Usage(usage.prompt_tokens, usage.completion_tokens) if usage is not None else Usage(0, 0)
+    details = getattr(usage, "prompt_tokens_details", None)  # cached prompt tokens (the server's prefix reuse)
+    cached = int(getattr(details, "cached_tokens", None) or 0)
+    u = Usage(usage.prompt_tokens, usage.completion_tokens, cached) if usage is not None else Usage(0, 0)
     text = message_text or ""
     return GenerationResult(
         text,

@@ -168,8 +168,9 @@ def _run(
 
 
 def member_stats(engine: Ensemble, before: list[tuple], tokens_out: int) -> dict[str, Any]:
-    """Each member's forwards, forward time and prefills during the run (and, on Ray, the bytes
-    moved to and from its actor and the round trips)."""
+    """Each member's forwards, forward time and prefills during the run, its KV bytes per token
+    and the prompt tokens it took from a stored prompt (and, on Ray, the bytes moved to and from
+    its actor and the round trips)."""
     stats: dict[str, Any] = {"members": {}}
     moved, ray = 0, engine.placement == "ray"
     for m, (n0, t0, p0, b0, r0) in zip(engine.members, before):
@@ -177,6 +178,8 @@ def member_stats(engine: Ensemble, before: list[tuple], tokens_out: int) -> dict
         stats["members"][m.name] = {"forward_passes": n - n0, "forward_time_s": round(t - t0, 4), "prefills": p - p0}
         if getattr(m, "kv_per_token", None):  # its KV bytes per token of context (here or on its actor)
             stats["members"][m.name]["kv_bytes_per_token"] = m.kv_per_token
+        if hasattr(m, "prompt_reused"):  # prompt tokens taken from a stored prompt (members/prefix.py)
+            stats["members"][m.name]["prompt_tokens_reused"] = m.prompt_reused()
         if ray:  # payload bytes to and from the member's actor, waits for its answers
             stats["members"][m.name].update(bytes_moved=b - b0, round_trips=r - r0)
             moved += b - b0
@@ -202,7 +205,9 @@ def make_result(
     stats = {**req.stats.to_dict(), **run.notes}
     raw_text = run.filter.text
     written = raw_text.removeprefix(job.head)  # the head was in the prompt, not generated
-    usage = Usage(len(members[main].prompt_ids(main_prompt)), len(members[main].encode(written)) if written else 0)
+    reused = getattr(members[main], "prompt_reused", None)  # its prompt tokens from a stored prompt (prefix.py)
+    n_out = len(members[main].encode(written)) if written else 0
+    usage = Usage(len(members[main].prompt_ids(main_prompt)), n_out, reused() if reused else 0)
     stats.update(member_stats(engine, before, req.stats.tokens_out))
     if len(members) > 1 and engine.method_class.name != "single":
         stats["member_weights"] = {m.name: round(w, 4) for m, w in zip(members, weights)}

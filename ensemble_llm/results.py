@@ -22,16 +22,19 @@ class ToolCall:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from a stored prompt (members/prefix.py)
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI form: prompt, completion and total tokens, and the cached prompt tokens."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

@@ -218,3 +218,22 @@ def test_chat_requests_on_the_bundled_pair_get_their_texts_from_stored_beginning
     assert alone == want and together == want
     assert all(c.hits >= 2 * len(prompts) - 1 for c in caches)
     assert caches[1].reused >= 80 * (2 * len(prompts) - 1)  # Gemma-3's preamble: about 89 tokens each
+
+
+def test_a_request_reports_its_reused_prompt_tokens_in_usage_and_stats(tiny_dirs):
+    """usage.cached_tokens (OpenAI's prompt_tokens_details.cached_tokens): the main member's
+    prompt tokens that came from a stored prompt; stats: every member's prompt_tokens_reused."""
+    from ensemble_llm import Ensemble
+
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], "unite").load()
+    with contextlib.ExitStack() as stack:
+        for m in eng.members:
+            stack.enter_context(prefixes(m, 2**30))
+        first = eng.generate("Name a colour.", max_new_tokens=3)
+        again = eng.generate("Name a colour.", max_new_tokens=3)
+    main = again.stats["main_member"]
+    assert first.usage.cached_tokens == 0 and first.usage.to_dict()["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again.usage.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.stats["members"][main]["prompt_tokens_reused"] == again.usage.cached_tokens
+    assert all(st["prompt_tokens_reused"] > 0 for st in again.stats["members"].values())
+    assert all(st["prompt_tokens_reused"] == 0 for st in first.stats["members"].values())

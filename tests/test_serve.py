@@ -89,6 +89,11 @@ def test_chat_sync_stream_and_usage(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content  # greedy: the same reply streamed
     assert chunks[-1].usage.completion_tokens == res.usage.completion_tokens
+    # the same prompt again: all its tokens but the last came from the stored prompt (members/prefix.py)
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    reused = extra["stats"]["members"][extra["stats"]["main_member"]]["prompt_tokens_reused"]
+    assert reused == res.usage.prompt_tokens_details.cached_tokens < res.usage.prompt_tokens
 
 
 def test_chat_async(server):
@@ -265,6 +270,8 @@ def test_langchain_client_mode(server):
     assert res.response_metadata["method"] == "safe"
     chunks = list(llm.stream([HumanMessage("Say hi.")], seed=1))
     assert "".join(c.content for c in chunks) == res.content and chunks[-1].usage_metadata is not None
+    usage = chunks[-1].usage_metadata  # the prompt again: the server's stored prompt, as cache reads
+    assert usage["input_token_details"]["cache_read"] == usage["input_tokens"] - 1
     call = llm.bind_tools([get_weather], tool_choice="get_weather", max_tokens=60).invoke("Weather in Oslo?")
     assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
     out = (

@@ -66,6 +66,7 @@ class Tally:
 
     counts: dict[int, list] = field(default_factory=dict)
     remote: dict[int, Any] = field(default_factory=dict)  # per member in a Ray actor: its own count (ray/member.py)
+    reused: dict[int, int] = field(default_factory=dict)  # per member: prompt tokens taken from a stored prompt
 
     def add(self, member: Any, n: int = 1, seconds: float = 0.0, prefills: int = 0) -> None:
         c = self.counts.setdefault(id(member), [0, 0.0, 0])
@@ -269,7 +270,7 @@ def run_prefills(member: Any, calls: list[_Call]) -> None:
     states the rows of a new group, ready for the steps. A lone prompt runs on its own cache. A
     prompt scored too (`positions`: score_prompt) gets the output layer at its own rows."""
     with member._lock:
-        seeds = {id(c): member.seed(c.state, c.ids, c.positions) for c in calls}
+        seeds = {id(c): member.seed(c.state, c.ids, c.positions, c.tally) for c in calls}
         fresh = [c for c in calls if not seeds[id(c)][0]]
         seeded = [c for c in calls if seeds[id(c)][0]]
         for part, run in ((fresh, _fresh_prompts), (seeded, _seeded_prompts)):

@@ -339,7 +339,7 @@ class Member(TokenizerView):
         beginning (prefix.py; `seeded`: what `seed` already put there): the last row's log-probs
         [1, V], or with `positions`, score_prompt's answer (only the rows before the positions it
         runs and the last row get the output layer)."""
-        n, entry = self.seed(state, ids, positions) if seeded is None else seeded
+        n, entry = self.seed(state, ids, positions, tally or current_tally()) if seeded is None else seeded
         rest, run = ids[n:], [p for p in positions or () if p > n]
         x = torch.tensor([rest], dtype=torch.long, device=self.device)
         keep = torch.tensor([p - 1 - n for p in run] + [len(rest) - 1], dtype=torch.long, device=self.device)
@@ -347,13 +347,21 @@ class Member(TokenizerView):
         logits = self._forward(tallies, input_ids=x, cache=state.cache, use_cache=True, logits_to_keep=keep)[0]
         return self.prompt_scores(state, ids, positions, logits, n, entry)
 
-    def seed(self, state: KVState, ids: list[int], positions: list[int] | None = None) -> tuple[int, Any]:
+    def seed(self, state: KVState, ids: list[int], positions: list[int] | None = None, tally=None) -> tuple[int, Any]:
         """Start the empty `state` from the longest stored beginning of `ids` (prefix.py): (n, entry),
-        n the tokens it holds now (0, None: none; the whole prompt runs)."""
+        n the tokens it holds now (0, None: none; the whole prompt runs), counted in the request's
+        `tally` (its stats' prompt_tokens_reused)."""
         n, entry = self.prefixes.match(ids, positions)
         if entry is not None:
             state.cache, state.ids = seed_cache(entry, n), list(ids[:n])
+            if tally is not None:
+                tally.reused[id(self)] = tally.reused.get(id(self), 0) + n
         return n, entry
+
+    def prompt_reused(self) -> int:
+        """Prompt tokens the calling thread's request took from stored prompts (0 outside one)."""
+        tally = current_tally()
+        return 0 if tally is None else tally.reused.get(id(self), 0)
 
     def prompt_scores(
         self, state: KVState, ids: list[int], positions, logits: torch.Tensor, n: int = 0, entry: Any = None

@@ -364,9 +364,17 @@ class EnsembleLLM(BaseChatModel):
         }
 
     @staticmethod
-    def _usage(result: GenerationResult) -> dict[str, int]:
+    def _usage(result: GenerationResult) -> dict[str, Any]:
+        """usage_metadata; prompt tokens whose KV came from a stored prompt are its cache reads."""
         u = result.usage
-        return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+        out: dict[str, Any] = {
+            "input_tokens": u.prompt_tokens,
+            "output_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+        }
+        if u.cached_tokens:
+            out["input_token_details"] = {"cache_read": u.cached_tokens}
+        return out
 
     def _message(self, result: GenerationResult) -> AIMessage:
         calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
