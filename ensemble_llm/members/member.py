@@ -354,8 +354,9 @@ class Member(TokenizerView):
         n, entry = self.prefixes.match(ids, positions)
         if entry is not None:
             state.cache, state.ids = seed_cache(entry, n), list(ids[:n])
-            if tally is not None:
-                tally.reused[id(self)] = tally.reused.get(id(self), 0) + n
+            counts = getattr(tally, "reused", None)  # a Ray actor's count of a request keeps none
+            if counts is not None:
+                counts[id(self)] = counts.get(id(self), 0) + n
         return n, entry
 
     def prompt_reused(self) -> int:
