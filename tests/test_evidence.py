@@ -126,6 +126,8 @@ def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, mo
     """Requests with per-request weights at once: their prompt scorings share forwards (one per
     member for the four prompts here), and each gets its one-at-a-time evidence, weights and text;
     so again once their shots are stored (prefix.py), when no prompt forward runs from scratch."""
+    from ensemble_llm.members.prefix import PrefixCache
+
     members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     prompts = [FEW_SHOT.replace("Peru", c) for c in ("Peru", "Chile", "Italy", "Kenya")]
     one = Ensemble(members, method="unite", max_batch=1)
@@ -138,17 +140,25 @@ def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, mo
         return forward(member, calls, scoring)
 
     monkeypatch.setattr(batching, "_prefill_forward", spy)
-    for m in many.members:  # the members are `one`'s too: its stored prompts would give these their shots
-        m.prefixes.clear()
-    before = [m.n_forward for m in many.members]
-    together = many.generate_many(prompts, raw=True, max_new_tokens=6, stop=["\n"])
+    # the members are `one`'s too, and its requests stored these prompts (prefix.py): kept aside, so that
+    # every prompt here runs from scratch (a prompt stored by the first to finish would seed the others)
+    stored = [m.prefixes for m in many.members]
+    for m in many.members:
+        m.prefixes = PrefixCache(0)
+    try:
+        before = [m.n_forward for m in many.members]
+        together = many.generate_many(prompts, raw=True, max_new_tokens=6, stop=["\n"])
+    finally:
+        for m, cache in zip(many.members, stored):
+            m.prefixes = cache
     assert max(scored) >= 2  # several requests' scorings in one forward
     ran = sum(m.n_forward for m in many.members) - sum(before)
     took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
     assert ran < took_part
     scored.clear()
+    hits = [m.prefixes.hits for m in many.members]
     again = many.generate_many(prompts, raw=True, max_new_tokens=6, stop=["\n"])  # shots stored (prefix.py)
-    assert scored == [] and all(m.prefixes.hits >= len(prompts) for m in many.members)
+    assert scored == [] and all(m.prefixes.hits - h >= len(prompts) for m, h in zip(many.members, hits))
     for a, b, c in zip(alone, together, again):
         for r in (b, c):
             assert r.text == a.text
