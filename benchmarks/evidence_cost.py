@@ -42,8 +42,9 @@ def main() -> None:
     (out / "results.json").write_text(
         json.dumps({"members": names, "head_plan": pads, "repeats": args.repeats, "rows": rows}, indent=2)
     )
-    (out / "results.md").write_text(_table(names, pads, rows, args) + "\n")
-    print(_table(names, pads, rows, args))
+    table = _table(names, pads, rows, args)
+    (out / "results.md").write_text(table + "\n")
+    print(table)
 
 
 def _task_row(eng, task: str, repeats: int) -> dict:
@@ -133,9 +134,9 @@ def _table(names, pads, rows, args) -> str:
             f"| {r['extra_unpadded_s']:+.3f} ({r['extra_unpadded_s'] / r['request_s']:.1%}) |"
         )
 
-    def summary(key, frac):
-        mean = statistics.mean(r[frac] for r in rows)
-        pooled = sum(r[key] for r in rows) / sum(r[frac.replace("extra_fraction_of_", "") + "_s"] for r in rows)
+    def summary(prefix):  # "" (cold) or "warm_": the mean fraction and the pooled one
+        mean = statistics.mean(r[prefix + "extra_fraction_of_request"] for r in rows)
+        pooled = sum(r[prefix + "extra_s"] for r in rows) / sum(r[prefix + "request_s"] for r in rows)
         return f"mean {mean:.1%}, pooled {pooled:.1%}"
 
     mean_unplanned = statistics.mean(r["extra_unpadded_s"] / r["request_s"] for r in rows)
@@ -143,8 +144,8 @@ def _table(names, pads, rows, args) -> str:
         "",
         f"Output layers' plans (members/headpad.py, timed at load; unplanned: every layer's plan undone): {pads}.",
         "",
-        f"Extra over a whole request, cold: {summary('extra_s', 'extra_fraction_of_request')} (layers unplanned: "
-        f"mean {mean_unplanned:.1%}); warm: {summary('warm_extra_s', 'warm_extra_fraction_of_request')} "
+        f"Extra over a whole request, cold: {summary('')} (layers unplanned: "
+        f"mean {mean_unplanned:.1%}); warm: {summary('warm_')} "
         "(pooled: the extra time of all seven over their requests' time).",
         "",
         f"Command: `python benchmarks/evidence_cost.py --repeats {args.repeats} --out {args.out}`",

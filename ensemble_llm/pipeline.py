@@ -205,10 +205,10 @@ def make_result(
     stats = {**req.stats.to_dict(), **run.notes}
     raw_text = run.filter.text
     written = raw_text.removeprefix(job.head)  # the head was in the prompt, not generated
-    reused = getattr(members[main], "prompt_reused", None)  # its prompt tokens from a stored prompt (prefix.py)
-    n_out = len(members[main].encode(written)) if written else 0
-    usage = Usage(len(members[main].prompt_ids(main_prompt)), n_out, reused() if reused else 0)
     stats.update(member_stats(engine, before, req.stats.tokens_out))
+    n_out = len(members[main].encode(written)) if written else 0
+    cached = stats["members"][members[main].name].get("prompt_tokens_reused", 0)  # from a stored prompt
+    usage = Usage(len(members[main].prompt_ids(main_prompt)), n_out, cached)
     if len(members) > 1 and engine.method_class.name != "single":
         stats["member_weights"] = {m.name: round(w, 4) for m, w in zip(members, weights)}
         stats["main_member"] = members[main].name
