@@ -71,6 +71,11 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="placement='ray': each member in an actor of a local cluster")
     ap.add_argument("--no-head-pad", action="store_true", help="in process: undo every layer's plan (headpad.py)")
     ap.add_argument("--no-prefix-cache", action="store_true", help="in process: no prompt prefix reuse (prefix.py)")
+    ap.add_argument(
+        "--whole-steps",
+        action="store_true",
+        help="in process: a step is one forward over every row, output layer on all (SPLIT_COLUMNS, SPARSE_HEAD off)",
+    )
     ap.add_argument("--out", default="batching")
     args = ap.parse_args()
     from ensemble_llm import Ensemble
@@ -107,6 +112,10 @@ def main() -> None:
 
                 for m in engine.members:
                     pad_rows(m.model, None)
+            if args.whole_steps and not args.ray:
+                from ensemble_llm.members import batching
+
+                batching.SPARSE_HEAD, batching.SPLIT_COLUMNS = False, 10**9
             for m in engine.members if args.no_prefix_cache and not args.ray else ():
                 m.prefixes.max_bytes = 0
                 m.prefixes.clear()
@@ -157,6 +166,7 @@ def main() -> None:
         + (" --ray" if args.ray else "")
         + (" --no-head-pad" if args.no_head_pad else "")
         + (" --no-prefix-cache" if args.no_prefix_cache else "")
+        + (" --whole-steps" if args.whole_steps else "")
         + f" --methods {args.methods} --clients {args.clients} --max-tokens {args.max_tokens}"
         + f" --repeat {args.repeat} --max-batch {max_batch}`.",
         "",

@@ -95,7 +95,7 @@ def test_prompts_scored_together_match_their_own_scoring_and_step_on(tiny_member
 
 
 @pytest.mark.parametrize("key", ["smol", "gemma"])
-def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_members, key):
+def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_members, key, split):
     """Extends of 3, 1 and 0 tokens in one step (safe's verifications beside one-token steps): each
     row gets its own extend's log-probs for every new token (or the last with last_only)."""
     m = tiny_members[key]
@@ -114,16 +114,37 @@ def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_member
         assert torch.allclose(m.kv_tensor(s), m.kv_tensor(a), atol=1e-5)
 
 
+@pytest.fixture(params=["as set", "always"])
+def split(request, monkeypatch):
+    """RowGroup.step as it runs ("as set": SPLIT_COLUMNS) and with every step split ("always": the
+    one-token calls in a forward apart from longer ones, each forward over its own rows only)."""
+    if request.param == "always":
+        monkeypatch.setattr(batching, "SPLIT_COLUMNS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)
-def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, key):
+def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, key, split, monkeypatch):
     """specfuse's score_inline joined to a step beside a plain extend: each row's candidates get the
     logits of that row's own scoring forward; keeping one candidate (or none) leaves the row as its
-    own cache would be, and the steps after it match too, in the same group."""
+    own cache would be, and the steps after it match too, in the same group. The output layer runs
+    only on the 13 columns the calls read (5 + 7 candidates' tokens, the extend's 1), not on the
+    3 rows x 7 columns of the step; split, the extend's row runs one column and the scoring rows 7."""
     m = tiny_members[key]
     states, alone, group = _grouped(m, (7, 12, 10))
     cands = {0: [[21, 22, 23], [24, 25]], 2: [[26], [27, 28, 29, 30], [31, 32]]}
     calls = [_Call(m, states[i], -1, None, cands=c) for i, c in cands.items()] + [_Call(m, states[1], 40, None)]
+    heads, head, shapes, forward = [], m.head, [], m._forward
+    assert m.head_splits()  # (checked once per member, with a head of its own)
+    monkeypatch.setattr(m, "head", lambda h: heads.append(tuple(h.shape[:-1])) or head(h))
+    monkeypatch.setattr(m, "_forward", lambda *a, **kw: shapes.append(kw["input_ids"].shape) or forward(*a, **kw))
     run_step(m, calls)
+    monkeypatch.delattr(m, "head")
+    monkeypatch.delattr(m, "_forward")
+    if split == "always":
+        assert list(map(tuple, shapes)) == [(1, 1), (2, 7)] and heads == [(12,)]  # the extend: its logits as they are
+    else:
+        assert list(map(tuple, shapes)) == [(3, 7)] and heads == [(13,)]
     m.extend(alone[1], [40])
     for c, (i, cs) in zip(calls, cands.items()):
         want = m._score_own(alone[i], cs)
@@ -149,7 +170,7 @@ def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, ke
 
 
 @pytest.mark.parametrize("key", ["smol", "gemma"])  # gemma: sliding-window layers (window 8)
-def test_steps_in_a_group_match_each_rows_own_forwards(tiny_members, key):
+def test_steps_in_a_group_match_each_rows_own_forwards(tiny_members, key, split):
     m = tiny_members[key]
     states = [_state(m, n, i) for i, n in enumerate((5, 13, 9))]
     alone = [_copy(m, s) for s in states]

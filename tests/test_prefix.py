@@ -26,8 +26,10 @@ def prefixes(member, max_bytes):
 
 @contextlib.contextmanager
 def forward_lengths(member):
-    """The token count of every forward the member's model runs inside the block."""
-    seen, model = [], member.model
+    """The token count of every forward the member's model runs inside the block (its decoder's:
+    a batched step may run the decoder alone and the output layer on the columns it reads)."""
+    member.head_splits()  # settled before the block: its check runs forwards of its own
+    seen, model = [], member.model.get_decoder()
     hook = model.register_forward_pre_hook(
         lambda mod, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True
     )

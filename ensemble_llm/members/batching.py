@@ -20,7 +20,11 @@ columns instead of copying; any other operation takes the row out of the group f
 its columns copied into a cache of its own). A finished request's row leaves the group's tensors
 before the next step (`compact`). Each row sees only its own columns at its own
 position ids, through a 4-D mask (sliding-window layers get a mask of their own), so a batched
-step computes what the row's own forward would, up to float rounding.
+step computes what the row's own forward would, up to float rounding. A step pays for holes only
+up to a bound (`SPLIT_COLUMNS`): one-token calls beside longer ones (specfuse's scoring, safe's
+verifications) run in a forward apart, and a forward whose calls leave many of the group's rows
+idle runs over their rows only (gathered, their new columns written back; the others get holes).
+The output layer runs only on the columns a call reads (`SPARSE_HEAD`).
 
 specfuse's in-line scoring joins the steps too: its candidates are new columns of the row like an
 extend's, each candidate a run that sees the row and itself only (`_Call.segments`); keeping one
@@ -57,6 +61,13 @@ GATHER_S = 0.02  # how long waiting requests wait for one that is still computin
 # the bundled pair, 8 clients x 16 requests, specfuse took 34.6 s at 3, 30.1 s at 10 and 28.8 s at
 # 20 (its requests spend a whole segment on one member); unite and safe moved within noise
 MAX_DEFER = 10
+# a step's output layer only at the columns its calls read (RowGroup.step); False: at the step's
+# longest read in every row, as `logits_to_keep` gives it (benchmarks/batching_throughput.py --whole-steps)
+SPARSE_HEAD = True
+# hole columns a step may compute before it is split: one-token calls beside longer ones run in a
+# forward of their own, and a forward covers only its calls' rows when the group's other rows would
+# pay this many (RowGroup.step)
+SPLIT_COLUMNS = 16
 SLACK = 64  # a group is rebuilt once its width passes twice its longest row plus this many columns
 
 
@@ -214,53 +225,131 @@ class RowGroup:
         self.pos[r, gone] = -1
 
     def step(self, calls: list[_Call]) -> None:
-        """One forward: each call's tokens appended to its row (right-aligned in the t new columns,
-        t the most tokens of a call); the new columns a row does not fill are holes."""
+        """Each call's tokens appended to its row (right-aligned in the t new columns, t the most
+        tokens of a call; the new columns a row does not fill are holes), in one forward, or in
+        two when one-token calls beside longer ones would compute SPLIT_COLUMNS hole columns or
+        more (a scoring call of 20 tokens beside one-token extends: every row would pay 20)."""
+        for part in step_parts(calls):
+            self._forward(part)
+
+    def _forward(self, calls: list[_Call]) -> None:
+        """One forward of the calls' tokens: over the rows of the calls only (their KV gathered,
+        their new columns written back) when the group's other rows would compute SPLIT_COLUMNS
+        hole columns or more, else over every row (the others' new columns are holes)."""
         m, b, w = self.member, len(self.rows), self.width
-        dev = m.device
         t = max(len(c.new) for c in calls)
-        tokens = torch.zeros(b, t, dtype=torch.long)  # built on the CPU, moved once (a GPU step: 4 copies)
-        fresh = torch.zeros(b, t, dtype=torch.bool)
-        qpos = torch.full((b, t), -1, dtype=torch.long)
-        seg = torch.full((b, t), -1, dtype=torch.long)  # which run of the row's new tokens a column holds
-        for c in calls:
-            r, j, start = c.state.row, t - len(c.new), len(c.state.ids)
-            tokens[r, j:] = torch.tensor(c.new, dtype=torch.long)
-            fresh[r, j:] = True
-            for k, run in enumerate(c.segments):
-                qpos[r, j : j + len(run)] = torch.arange(start, start + len(run))
-                seg[r, j : j + len(run)] = k
-                j += len(run)
-        tokens, fresh, qpos, seg = tokens.to(dev), fresh.to(dev), qpos.to(dev), seg.to(dev)
-        valid, pos = torch.cat([self.valid, fresh], dim=1), torch.cat([self.pos, qpos], dim=1)
+        subset = (b - len(calls)) * t >= SPLIT_COLUMNS
+        rows = sorted(c.state.row for c in calls) if subset else list(range(b))
+        at = {r: i for i, r in enumerate(rows)}  # a row's index in this forward
+        tokens, fresh, qpos, seg = _new_columns(calls, at, t, m.device)
+        idx = torch.tensor(rows, dtype=torch.long, device=m.device)
+        old_valid, old_pos, cache = self._gather(idx) if subset else (self.valid, self.pos, self.cache)
+        valid, pos = torch.cat([old_valid, fresh], dim=1), torch.cat([old_pos, qpos], dim=1)
         # query (r, i) sees row r's past columns and the new ones of its own run up to i; a hole sees only itself
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=m.device).tril()
         runs = (seg[:, :, None] == seg[:, None, :]) & fresh[:, None, :] & causal
-        seen = torch.cat([self.valid[:, None, :].expand(b, t, w), runs], dim=2)
+        seen = torch.cat([old_valid[:, None, :].expand(len(rows), t, w), runs], dim=2)
         seen &= fresh[:, :, None]
-        j = torch.arange(t, device=dev)
+        j = torch.arange(t, device=m.device)
         seen[:, j, w + j] = True  # (a fully masked query gives NaN)
-        keep = max([1] + [len(c.new) for c in calls if not c.last_only])  # rows whose logits someone reads
-        logits = m._forward(
+        reads = [1 if c.last_only else len(c.new) for c in calls]  # each call's last columns whose logits it reads
+        # the output layer only where a call reads (on its last columns): the other rows of the
+        # forward and the columns a shorter call leaves empty get none; with Gemma-3's 262k-row
+        # layer that is most of a mixed step's work
+        sparse = SPARSE_HEAD and sum(reads) < len(rows) * max(reads) and m.head_splits()
+        out = m._forward(
             tallies=[c.tally for c in calls],
+            hidden=sparse,
             input_ids=tokens,
             attention_mask=batch_masks(m, seen, qpos, pos),
             position_ids=qpos.clamp(min=0),
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
-            logits_to_keep=keep,
+            **({} if sparse else {"logits_to_keep": max(reads)}),
         )
-        self.valid, self.pos = valid, pos
-        for c in calls:
-            if c.cands is not None:  # a scoring call: its candidates' logits; their columns stay (see keep)
-                c.result = logits[c.state.row, keep - len(c.new) :].clone()
-                continue
-            n = 1 if c.last_only else len(c.new)
-            rows = logits[c.state.row, keep - n :].float()
-            logp = torch.log_softmax(rows, dim=-1)
-            c.state.ids.extend(c.new)
-            c.state.next_logprobs, c.state.next_logits = logp[-1], rows[-1]
-            c.result = logp
+        if subset:  # the rows' new columns into the group's cache; the other rows get holes there
+            self._write_back(cache, idx, fresh, qpos)
+        else:
+            self.valid, self.pos = valid, pos
+        _answer(m, calls, [at[c.state.row] for c in calls], reads, out, sparse)
+
+    def _gather(self, idx: torch.Tensor) -> tuple:
+        """The rows `idx` alone: their valid columns, positions and a cache holding a copy of their KV."""
+        cache = DynamicCache(
+            ddp_cache_data=[
+                (x.keys.index_select(0, idx.to(x.keys.device)), x.values.index_select(0, idx.to(x.keys.device)))
+                for x in self.cache.layers
+            ]
+        )
+        return self.valid.index_select(0, idx), self.pos.index_select(0, idx), cache
+
+    def _write_back(self, cache: Any, idx: torch.Tensor, fresh: torch.Tensor, qpos: torch.Tensor) -> None:
+        """After a forward over the rows `idx` only: the group gets its new columns, those rows
+        the KV the forward computed there, every other row holes."""
+        w, t, b = self.width, fresh.shape[1], len(self.rows)
+        for mine, sub in zip(self.cache.layers, cache.layers):
+            for name in ("keys", "values"):
+                full, new = getattr(mine, name), getattr(sub, name)[:, :, w:]
+                grown = torch.cat([full, full.new_zeros(full.shape[0], full.shape[1], t, full.shape[3])], dim=2)
+                grown[idx.to(grown.device), :, w:] = new
+                setattr(mine, name, grown)
+        f = torch.zeros(b, t, dtype=torch.bool, device=fresh.device)
+        q = torch.full((b, t), -1, dtype=torch.long, device=fresh.device)
+        f[idx], q[idx] = fresh, qpos
+        self.valid, self.pos = torch.cat([self.valid, f], dim=1), torch.cat([self.pos, q], dim=1)
+
+
+def _new_columns(calls: list[_Call], at: dict, t: int, dev: Any) -> tuple:
+    """A forward's new columns, the calls' tokens right-aligned in its rows (`at`: a call's row
+    there): tokens, which are fresh, their position ids (-1: a hole) and the run of the row's new
+    tokens each belongs to (a specfuse candidate sees its own run only)."""
+    n = len(at)
+    tokens = torch.zeros(n, t, dtype=torch.long)  # built on the CPU, moved once (a GPU step: 4 copies)
+    fresh = torch.zeros(n, t, dtype=torch.bool)
+    qpos = torch.full((n, t), -1, dtype=torch.long)
+    seg = torch.full((n, t), -1, dtype=torch.long)
+    for c in calls:
+        r, j, start = at[c.state.row], t - len(c.new), len(c.state.ids)
+        tokens[r, j:] = torch.tensor(c.new, dtype=torch.long)
+        fresh[r, j:] = True
+        for k, run in enumerate(c.segments):
+            qpos[r, j : j + len(run)] = torch.arange(start, start + len(run))
+            seg[r, j : j + len(run)] = k
+            j += len(run)
+    return tokens.to(dev), fresh.to(dev), qpos.to(dev), seg.to(dev)
+
+
+def _answer(m: Any, calls: list[_Call], rows: list[int], reads: list[int], out: torch.Tensor, sparse: bool) -> None:
+    """Each call's result from a step's forward: its last `reads` columns' logits (with `sparse`,
+    `out` holds final hidden states and only those columns get the output layer). An extend's
+    state moves on; a scoring call's candidates' columns stay (RowGroup.keep)."""
+    t = out.shape[1]
+    if sparse:
+        cols = [(r, t - k + i) for r, k in zip(rows, reads) for i in range(k)]
+        where = torch.tensor(cols, dtype=torch.long, device=out.device)
+        flat = m.head(out[where[:, 0], where[:, 1]])
+        starts = [sum(reads[:i]) for i in range(len(calls))]
+        got = [flat[s : s + k] for s, k in zip(starts, reads)]
+    else:
+        got = [out[r, t - k :] for r, k in zip(rows, reads)]
+    for c, logits in zip(calls, got):
+        if c.cands is not None:
+            c.result = logits.clone()
+            continue
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        c.state.ids.extend(c.new)
+        c.state.next_logprobs, c.state.next_logits = logp[-1], logits[-1]
+        c.result = logp
+
+
+def step_parts(calls: list[_Call]) -> list[list[_Call]]:
+    """The forwards a step's calls run in (RowGroup.step): one, or the one-token calls apart from
+    the longer ones when they would compute SPLIT_COLUMNS hole columns or more beside them."""
+    short = [c for c in calls if len(c.new) == 1]
+    longer = [c for c in calls if len(c.new) > 1]
+    t = max(len(c.new) for c in calls)
+    return [short, longer] if short and longer and len(short) * (t - 1) >= SPLIT_COLUMNS else [calls]
 
 
 def run_prefills(member: Any, calls: list[_Call]) -> None:
@@ -379,7 +468,7 @@ def run_step(member: Any, calls: list[_Call]) -> None:
         group = states[0].group
         if group is not None:
             group.compact()
-        columns = max(len(c.new) for c in calls)
+        columns = sum(max(len(c.new) for c in part) for part in step_parts(calls))  # the width the step adds
         if group is None or any(s.group is not group for s in states) or group.worn(columns):
             for s in states:
                 if s.group is not None:

@@ -246,22 +246,25 @@ class MemberActor:
 
     def op_step(self, items: list[tuple]) -> list:
         """One batched step of several requests' extends and in-line scorings (batching.run_step):
-        ("extend", state, rows, ids, last_only) or ("score", state, candidates, raw_logits, keep)
-        each; the scorings' answers come back (None for an extend)."""
+        ("extend", state, rows, ids, last_only, tag) or ("score", state, candidates, raw_logits,
+        keep, tag) each, a request's forwards counted under its tag (a step's calls may run in two
+        forwards: each counts the one it took part in); the scorings' answers come back (None for
+        an extend)."""
         from ..members.batching import _Call, run_step
 
         m, calls = self.member, []
-        for kind, h, x, y, z in items:
+        for kind, h, x, y, z, tag in items:
             st = self._state(h)
             m.drop_candidates(st)
+            count = None if tag is None else _TagCount(self.objs, tag)
             if kind == "extend":
-                calls.append(_Call(m, st, y, None, last_only=z))
+                calls.append(_Call(m, st, y, count, last_only=z))
             else:
                 m.ensure_next(st)
-                calls.append(_Call(m, st, -1, None, cands=x))
+                calls.append(_Call(m, st, -1, count, cands=x))
         run_step(m, calls)
         out: list = []
-        for (kind, _, x, y, z), c in zip(items, calls):
+        for (kind, _, x, y, z, _tag), c in zip(items, calls):
             if kind == "extend":
                 self.objs[x] = c.result
                 out.append(None)

@@ -310,7 +310,6 @@ class RayMember(TokenizerView):
         each call's result is its rows (a scoring call: its part of the answer, fetched by its
         request). Their forwards count for each request in the step."""
         counts = [self._of(c.tally) for c in calls]
-        tags = tuple(n.handle.id for n in counts if n is not None)
         if kind == "prefill":  # prompts, and prompts scored for their request's weights (score_prompt)
             items = []
             for c, n in zip(calls, counts):
@@ -324,15 +323,16 @@ class RayMember(TokenizerView):
             for i, c in enumerate(calls):
                 if c.positions is not None:
                     c.result = _Part(self, ref, i)
-        elif kind == "step":
+        elif kind == "step":  # each request's forwards counted there (a step may run in two forwards)
             items = []
-            for c in calls:
+            for c, n in zip(calls, counts):
+                tag = None if n is None else n.handle.id
                 if c.cands is None:
                     c.result = RemoteRows(self, 1 if c.last_only else len(c.new))
-                    items.append(("extend", c.state.handle.id, c.result.handle.id, c.new, c.last_only))
+                    items.append(("extend", c.state.handle.id, c.result.handle.id, c.new, c.last_only, tag))
                 else:
-                    items.append(("score", c.state.handle.id, c.cands, *c.opts))
-            ref = self._submit("step", items, count=False, tags=tags)
+                    items.append(("score", c.state.handle.id, c.cands, *c.opts, tag))
+            ref = self._submit("step", items, count=False, tags=())
             for i, c in enumerate(calls):
                 if c.cands is not None:
                     c.result = _Part(self, ref, i)
