@@ -181,12 +181,7 @@ class RowGroup:
         if len(keep) == len(self.rows):
             return
         states = [self.rows[r]() for r in keep]
-        idx = torch.tensor(keep, dtype=torch.long)
-        for layer in self.cache.layers:
-            i = idx.to(layer.keys.device)
-            layer.keys, layer.values = layer.keys.index_select(0, i), layer.values.index_select(0, i)
-        i = idx.to(self.valid.device)
-        self.valid, self.pos = self.valid.index_select(0, i), self.pos.index_select(0, i)
+        self.valid, self.pos, self.cache = self._gather(torch.tensor(keep, dtype=torch.long, device=self.valid.device))
         self.rows = [weakref.ref(s) for s in states]
         for r, s in enumerate(states):
             s.row = r
