@@ -146,18 +146,25 @@ def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, ke
     else:
         assert list(map(tuple, shapes)) == [(3, 7)] and heads == [(13,)]
     m.extend(alone[1], [40])
+    wants = {}
     for c, (i, cs) in zip(calls, cands.items()):
-        want = m._score_own(alone[i], cs)
+        want = wants[i] = m._score_own(alone[i], cs)
         torch.testing.assert_close(c.result.float(), want.float(), atol=1e-4, rtol=1e-4)
-        starts = [sum(len(x) for x in cs[:k]) for k in range(len(cs))]
-        states[i].scored = (len(states[i].ids), starts, cs, c.result)  # what score_inline records
-        alone[i].scored = (len(alone[i].ids), starts, cs, want)
+        got, ref = m.scored(states[i], cs, c.result, False, True), m.scored(alone[i], cs, want, False, True)
+        logp = torch.log_softmax(want.float(), dim=-1)  # each candidate's token log-probs, row by row
+        for cand, g, r, s in zip(cs, got, ref, [sum(len(x) for x in cs[:k]) for k in range(len(cs))]):
+            rows = torch.cat([alone[i].next_logprobs[None], logp[s : s + len(cand) - 1]])
+            torch.testing.assert_close(r, rows.gather(1, torch.tensor(cand)[:, None])[:, 0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+        assert states[i].scored[3].shape == (len(cs), want.shape[-1])  # a row per candidate is kept, not the logits
     m.keep_candidate(states[0], 1)  # the second candidate becomes the continuation
     m.keep_candidate(alone[0], 1)
     m.drop_candidates(states[2])
     m.drop_candidates(alone[2])
     assert states[0].ids == alone[0].ids and states[2].ids == alone[2].ids
     torch.testing.assert_close(states[0].next_logprobs, alone[0].next_logprobs, atol=1e-4, rtol=1e-4)
+    after = torch.log_softmax(wants[0][3 + 2 - 1].float(), dim=-1)  # the kept candidate's last row
+    torch.testing.assert_close(alone[0].next_logprobs, after, atol=1e-5, rtol=1e-5)
     for k in range(10):  # past gemma's window, all three in the group
         run_step(m, [_Call(m, s, 60 + k + i, None) for i, s in enumerate(states)])
         for i, a in enumerate(alone):

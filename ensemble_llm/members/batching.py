@@ -328,8 +328,8 @@ def _answer(m: Any, calls: list[_Call], rows: list[int], reads: list[int], out: 
     else:
         got = [out[r, t - k :] for r, k in zip(rows, reads)]
     for c, logits in zip(calls, got):
-        if c.cands is not None:
-            c.result = logits.clone()
+        if c.cands is not None:  # a view: Member.scored keeps only what it needs of it
+            c.result = logits
             continue
         logits = logits.float()
         logp = torch.log_softmax(logits, dim=-1)

@@ -613,21 +613,23 @@ class Member(TokenizerView):
         self, state: KVState, cands: list[list[int]], logits: torch.Tensor, raw_logits: bool, keep: bool
     ) -> list[torch.Tensor]:
         """score_inline's answer from the scoring forward's `logits` [total, V] (the candidates'
-        columns sit after the state's; `keep` leaves them for keep_candidate)."""
+        columns sit after the state's; `keep` leaves them for keep_candidate). Of `logits` only
+        the row after each candidate is kept until then (keep_candidate's next distribution), and
+        each token's log-prob is its logit less its row's logsumexp: no copy of the rows is made
+        (Gemma-3, two 10-token candidates: 2 MB kept per request instead of 21 MB)."""
         starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
-        first_lp = state.next_logprobs
-        state.scored = (len(state.ids), starts, cands, logits)
+        after = logits[[s + len(c) - 1 for s, c in zip(starts, cands)]].float()  # keep_candidate's next rows
+        state.scored = (len(state.ids), starts, cands, after)
         if not keep:
             self.drop_candidates(state)
-        if raw_logits:
-            logp, first_lp = logits.float(), state.next_logits
-        else:
-            logp = torch.log_softmax(logits.float(), dim=-1)
+        first = state.next_logits if raw_logits else state.next_logprobs
         out = []
         for s, c in zip(starts, cands):
-            ids = torch.tensor(c, device=self.device)
-            rows = torch.cat([first_lp[None], logp[s : s + len(c) - 1]], dim=0)
-            out.append(rows.gather(1, ids[:, None])[:, 0])
+            rows = logits[s : s + len(c) - 1].float()
+            got = rows.gather(1, torch.tensor(c[1:], device=rows.device)[:, None])[:, 0]
+            if not raw_logits:
+                got = got - torch.logsumexp(rows, dim=-1)
+            out.append(torch.cat([first[c[0]].reshape(1).float(), got]))
         return out
 
     def _score_own(self, state: KVState, cands: list[list[int]], tally=None) -> torch.Tensor:
@@ -658,7 +660,7 @@ class Member(TokenizerView):
         """After score_inline(keep=True): the cache becomes context + candidate `index` (its KV
         slice moved next to the context, the others dropped) and next_logprobs the distribution
         after it, all from the scoring forward."""
-        p, starts, cands, logits = state.scored
+        p, starts, cands, after = state.scored
         s, n = starts[index], len(cands[index])
         with self._lock:
             if state.group is not None:  # the other candidates' columns become holes
@@ -668,7 +670,7 @@ class Member(TokenizerView):
                     layer.keys = torch.cat([layer.keys[:, :, :p], layer.keys[:, :, p + s : p + s + n]], dim=-2)
                     layer.values = torch.cat([layer.values[:, :, :p], layer.values[:, :, p + s : p + s + n]], dim=-2)
         state.ids.extend(cands[index])
-        state.next_logits = logits[s + n - 1].float()
+        state.next_logits = after[index]
         state.next_logprobs = torch.log_softmax(state.next_logits, dim=-1)
         state.scored = None
 
