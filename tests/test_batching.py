@@ -452,3 +452,16 @@ def test_generate_many_and_the_framework_batch_paths_decode_together(tiny_dirs):
     n0 = _forwards(many)
     assert [r.text for r in asyncio.run(gather())] == expect
     assert _forwards(many) - n0 < took_part
+
+
+def test_cache_of_holds_the_tensors_it_is_given():
+    """A group's rebuild, a release and a gather wrap the KV they copied, without a second copy."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(2, 3, 6, 4, generator=g), torch.randn(2, 3, 6, 4, generator=g)) for _ in range(3)]
+    cache = batching.cache_of(data)
+    assert cache.get_seq_length() == 6 and len(cache.layers) == 3
+    for layer, (k, v) in zip(cache.layers, data):
+        assert layer.keys is k and layer.values is v
+    new = torch.randn(2, 3, 1, 4, generator=g)
+    keys, _ = cache.layers[0].update(new, new)  # and grows as a DynamicCache does
+    assert torch.equal(keys, torch.cat([data[0][0], new], dim=2))

@@ -149,7 +149,7 @@ class RowGroup:
                 ks.append(torch.nn.functional.pad(layer.keys, (0, 0, width - n, 0)))
                 vs.append(torch.nn.functional.pad(layer.values, (0, 0, width - n, 0)))
             layers.append((torch.cat(ks), torch.cat(vs)))
-        self.cache = DynamicCache(ddp_cache_data=layers)
+        self.cache = cache_of(layers)
         self.valid = torch.zeros(len(states), width, dtype=torch.bool, device=dev)
         self.pos = torch.full((len(states), width), -1, dtype=torch.long, device=dev)
         for r, n in enumerate(lens):
@@ -199,7 +199,7 @@ class RowGroup:
     def release(self, state: Any) -> None:
         """Take `state` out of the group: its columns become a cache of its own."""
         data = self.row_kv(state)
-        state.cache = DynamicCache(ddp_cache_data=data) if data and data[0][0].shape[2] else DynamicCache()
+        state.cache = cache_of(data) if data and data[0][0].shape[2] else DynamicCache()
         self.rows[state.row] = None
         state.group, state.row = None, -1
 
@@ -270,8 +270,8 @@ class RowGroup:
 
     def _gather(self, idx: torch.Tensor) -> tuple:
         """The rows `idx` alone: their valid columns, positions and a cache holding a copy of their KV."""
-        cache = DynamicCache(
-            ddp_cache_data=[
+        cache = cache_of(
+            [
                 (x.keys.index_select(0, idx.to(x.keys.device)), x.values.index_select(0, idx.to(x.keys.device)))
                 for x in self.cache.layers
             ]
@@ -292,6 +292,16 @@ class RowGroup:
         q = torch.full((b, t), -1, dtype=torch.long, device=fresh.device)
         f[idx], q[idx] = fresh, qpos
         self.valid, self.pos = torch.cat([self.valid, f], dim=1), torch.cat([self.pos, q], dim=1)
+
+
+def cache_of(data: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A DynamicCache holding each layer's (keys, values) as they are. `DynamicCache(ddp_cache_data=...)`
+    fills each layer through its `update`, whose torch.cat copies the tensors once more: a group's
+    rebuild, a row's release or a gather of rows would copy their KV twice."""
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in data])
+    for layer, (k, v) in zip(cache.layers, data):
+        layer.keys, layer.values = k, v
+    return cache
 
 
 def _new_columns(calls: list[_Call], at: dict, t: int, dev: Any) -> tuple:

@@ -149,7 +149,8 @@ class PrefixCache:
 
 
 def seed_cache(entry: Entry, n: int):
-    """A DynamicCache holding a copy of the entry's first n tokens' KV."""
+    """A DynamicCache holding a copy of the entry's first n tokens' KV (made by the layers' own
+    `update`, whose torch.cat is the copy: no clone before it)."""
     from transformers import DynamicCache
 
-    return DynamicCache(ddp_cache_data=[(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in entry.kv])
+    return DynamicCache(ddp_cache_data=[(k[:, :, :n], v[:, :, :n]) for k, v in entry.kv])
