@@ -615,8 +615,8 @@ class Member(TokenizerView):
         """score_inline's answer from the scoring forward's `logits` [total, V] (the candidates'
         columns sit after the state's; `keep` leaves them for keep_candidate). Of `logits` only
         the row after each candidate is kept until then (keep_candidate's next distribution), and
-        each token's log-prob is its logit less its row's logsumexp: no copy of the rows is made
-        (Gemma-3, two 10-token candidates: 2 MB kept per request instead of 21 MB)."""
+        each token's log-prob is its logit less its row's logsumexp, with no log-softmax of the
+        rows made (Gemma-3, two 10-token candidates: 2 MB kept per request instead of 21 MB)."""
         starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
         after = logits[[s + len(c) - 1 for s, c in zip(starts, cands)]].float()  # keep_candidate's next rows
         state.scored = (len(state.ids), starts, cands, after)
@@ -626,7 +626,7 @@ class Member(TokenizerView):
         out = []
         for s, c in zip(starts, cands):
             rows = logits[s : s + len(c) - 1].float()
-            got = rows.gather(1, torch.tensor(c[1:], device=rows.device)[:, None])[:, 0]
+            got = rows.gather(1, torch.tensor(c[1:], dtype=torch.long, device=rows.device)[:, None])[:, 0]
             if not raw_logits:
                 got = got - torch.logsumexp(rows, dim=-1)
             out.append(torch.cat([first[c[0]].reshape(1).float(), got]))
