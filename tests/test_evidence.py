@@ -110,6 +110,27 @@ def test_auto_weights_follow_the_prompt_and_cost_no_forward(tiny_dirs, method):
     assert list(r3.stats["member_weights"].values()) == pytest.approx(eng.member_weights("chat")[0], abs=1e-4)
 
 
+def test_smc_product_reads_the_evidence_but_keeps_equal_exponents(tiny_dirs):
+    """smc with "auto" weights: the evidence picks the main member (and solo), while the product
+    runs with equal exponents, so its text is the uniform product's; the mixture keeps the
+    request's weights."""
+    cfg = {"n_particles": 2, "max_bytes": 6}  # the byte budget ends both runs, whichever member is main
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config=cfg).load()
+    prior, _ = eng.member_weights("raw")
+    res = eng.generate(FEW_SHOT, raw=True, max_new_tokens=64)
+    ev = list(res.stats["evidence"].values())
+    post = posterior(prior, ev)
+    assert list(res.stats["member_weights"].values()) == [0.5, 0.5]
+    assert res.stats["main_member"] == eng.members[max(range(2), key=lambda i: (post[i], -i))].name
+    equal = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={**cfg, "weights": None})
+    assert equal.generate(FEW_SHOT, raw=True, max_new_tokens=64).text == res.text
+    mix = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={**cfg, "f": "mixture"}).load()
+    r2 = mix.generate(FEW_SHOT, raw=True, max_new_tokens=64)
+    assert list(r2.stats["member_weights"].values()) == pytest.approx(
+        posterior(prior, list(r2.stats["evidence"].values())), abs=1e-3
+    )
+
+
 def test_chat_history_answers_are_evidence(tiny_dirs):
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="unite").load()
     msgs = [

@@ -47,7 +47,9 @@ class SmcConfig:
     # 0.1% of the prefix mass, and dropping them halves the batched rows (0 = beam width only)
     prune_threshold: float = 1e-3
     max_bytes: int | None = None  # byte budget per particle (the token budget applies as well)
-    weights: list[float] | str | None = "auto"  # member weights of the mean: "auto" (calibrated), None (equal), a list
+    # member weights of the mean: "auto" (the request's weights, evidence.py; the product's exponents
+    # stay equal, see `run`), None (equal), a list
+    weights: list[float] | str | None = "auto"
     return_particles: bool = False  # put the weighted particle set in stats["particles"]
     # temperature 0: "beam" seeks the f-ensemble's mode (byte-level beam search over psi, n_particles
     # wide); "sample" draws one SMC sample of the untempered ensemble with a fixed seed
@@ -382,6 +384,12 @@ class Smc(Method):
     def run(self, req: Request) -> Iterator[str]:
         cfg = self.config
         self.check_request(cfg, temperature=req.temperature, top_p=req.top_p)
+        if cfg.weights == "auto" and cfg.power == 0.0:
+            # the product's exponents are equal: the request's weights (a posterior over which
+            # member knows the task, evidence.py) chose the main member and whether one runs
+            # alone (`solo`), but as exponents they made the product follow one member
+            # (suite, 301 examples: 96-98 correct against 103 with equal exponents; README)
+            req.weights = [1.0 / len(self.members)] * len(self.members)
         # temperature 0 (greedy elsewhere): the mode of the untempered ensemble by beam search, or
         # (greedy="sample") one SMC sample with a fixed seed; temperature > 0 tempers every member.
         temperature = req.temperature if req.temperature > 0 else 1.0
