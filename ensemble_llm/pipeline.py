@@ -89,6 +89,7 @@ def make_request(
             )
         room.append(m.context_window - len(ids))
     notes: dict[str, Any] = {}
+    prior = list(weights)
     weights, main = request_weights(method, members, job.prompt, p.raw, texts, prompt_ids, weights, main, notes)
     generator = torch.Generator()
     generator.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
@@ -100,6 +101,7 @@ def make_request(
         generator,
         stops=stops,
         weights=weights,
+        prior=prior,
         main=main,
         guide=Guide(p.constraint, members) if p.constraint else None,
         trace=[] if p.trace else None,

@@ -110,10 +110,13 @@ def test_auto_weights_follow_the_prompt_and_cost_no_forward(tiny_dirs, method):
     assert list(r3.stats["member_weights"].values()) == pytest.approx(eng.member_weights("chat")[0], abs=1e-4)
 
 
-def test_smc_product_reads_the_evidence_but_keeps_equal_exponents(tiny_dirs):
-    """smc with "auto" weights: the evidence picks the main member (and solo), while the product
-    runs with equal exponents, so its text is the uniform product's; the mixture keeps the
-    request's weights."""
+def test_smc_product_reads_the_evidence_but_keeps_equal_exponents(tiny_dirs, monkeypatch):
+    """smc with "auto" weights and the pair's raw prior: the evidence picks the main member (and
+    solo), while the product runs with equal exponents, so its text is the uniform product's;
+    the mixture keeps the request's weights."""
+    from ensemble_llm.calibrate import Calibrator
+
+    monkeypatch.setattr(Calibrator, "weights", lambda self, *a, **k: [0.65, 0.35])
     cfg = {"n_particles": 2, "max_bytes": 6}  # the byte budget ends both runs, whichever member is main
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config=cfg).load()
     prior, _ = eng.member_weights("raw")
@@ -129,6 +132,21 @@ def test_smc_product_reads_the_evidence_but_keeps_equal_exponents(tiny_dirs):
     assert list(r2.stats["member_weights"].values()) == pytest.approx(
         posterior(prior, list(r2.stats["evidence"].values())), abs=1e-3
     )
+
+
+@pytest.mark.parametrize("prior", [[0.95, 0.05], [0.85, 0.15]])
+def test_smc_product_follows_a_member_the_prior_finds_dominant(tiny_dirs, monkeypatch, prior):
+    """A calibrated prior of at least DOMINANT for one member: the product's exponents are the
+    request's weights (weak members do not outvote it); below it, equal."""
+    from ensemble_llm.calibrate import Calibrator
+    from ensemble_llm.methods.smc import DOMINANT
+
+    monkeypatch.setattr(Calibrator, "weights", lambda self, *a, **k: list(prior))
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={"n_particles": 2, "max_bytes": 6})
+    res = eng.generate(FEW_SHOT, raw=True, max_new_tokens=64)
+    post = posterior(prior, list(res.stats["evidence"].values()))
+    want = post if prior[0] >= DOMINANT else [0.5, 0.5]
+    assert list(res.stats["member_weights"].values()) == pytest.approx(want, abs=1e-3)
 
 
 def test_chat_history_answers_are_evidence(tiny_dirs):

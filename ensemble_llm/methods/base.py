@@ -78,6 +78,7 @@ class Request:
     finish_reason: str = "length"  # the method sets "stop" when it ends on EOS
     stops: StopPolicy = field(default_factory=StopPolicy)  # the engine cuts these too; methods end drafts on them
     weights: list[float] | None = None  # member weights for this request (resolved by the engine)
+    prior: list[float] | None = None  # weights="auto": the calibrated weights before this request's evidence
     main: int = 0  # the main member (drafter / primary) for this request (resolved by the engine)
     guide: Any = None  # a constraints.Guide when the reply must match a grammar, else None
     trace: list[dict] | None = None  # when a list, the method appends where the ensemble decided
