@@ -53,7 +53,7 @@ class SmcConfig:
     prune_threshold: float = 1e-3
     max_bytes: int | None = None  # byte budget per particle (the token budget applies as well)
     # member weights of the mean: "auto" (the request's weights, evidence.py; the product's exponents
-    # stay equal, see `run`), None (equal), a list
+    # stay equal while no member holds DOMINANT of the prior, see `run`), None (equal), a list
     weights: list[float] | str | None = "auto"
     return_particles: bool = False  # put the weighted particle set in stats["particles"]
     # temperature 0: "beam" seeks the f-ensemble's mode (byte-level beam search over psi, n_particles
