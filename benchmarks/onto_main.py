@@ -31,6 +31,25 @@ def pooled(hits: dict[str, list[int]]) -> int:
     return sum(sum(v) for v in hits.values())
 
 
+def singles(hits: dict[str, dict[str, list[int]]], tasks: list[str]) -> tuple[dict, dict, dict, dict]:
+    """The pair's singles on `tasks` (SmolLM2, Gemma-3), the better of them pooled, and the
+    per-task router (the better member on each task, ties: SmolLM2)."""
+    smol = {t: hits[t]["single-0"] for t in tasks}
+    gemma = {t: hits[t]["single-1"] for t in tasks}
+    best = smol if pooled(smol) >= pooled(gemma) else gemma
+    router = {t: smol[t] if sum(smol[t]) >= sum(gemma[t]) else gemma[t] for t in tasks}
+    return smol, gemma, best, router
+
+
+def write_comparison(folder: str, report: dict, lines: list[str]) -> None:
+    """comparison.json and comparison.md into `folder`; the table printed too."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comparison.json").write_text(json.dumps(report, indent=1))
+    (out / "comparison.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def loto(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, list[int]]:
     """Per task, the hits of the rule that scores more on the other six tasks (ties: `a`)."""
     out = {}
@@ -52,10 +71,7 @@ def main() -> None:
         for t, h in load_hits(folder).items():
             new.setdefault(t, {}).update(h)
     tasks = [t for t in SUITE if t in new]
-    smol = {t: old[t]["single-0"] for t in tasks}
-    gemma = {t: old[t]["single-1"] for t in tasks}
-    best = smol if pooled(smol) >= pooled(gemma) else gemma
-    router = {t: smol[t] if sum(smol[t]) >= sum(gemma[t]) else gemma[t] for t in tasks}
+    smol, gemma, best, router = singles(old, tasks)
     rows, report = [], {}
     lines = [
         "# unite and safe: the union onto the main member's tokens against UniTE's first-sub-token rule",
@@ -98,11 +114,7 @@ def main() -> None:
             )
     report = {"best_member": pooled(best), "router": pooled(router), "rows": rows}
     lines += ["", f"Best member pooled: {pooled(best)}; per-task router (oracle): {pooled(router)}."]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comparison.json").write_text(json.dumps(report, indent=1))
-    (out / "comparison.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_comparison(args.out, report, lines)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,13 @@ the other six (ties: the earlier option), scored on that task.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 from ensemble_llm.bench import SUITE, bootstrap_diff
 
-
-def load_hits(folder: str) -> dict[str, dict[str, list[int]]]:
-    return json.loads((Path(folder) / "results.json").read_text())["hits"]
-
-
-def pooled(hits: dict[str, list[int]]) -> int:
-    return sum(sum(v) for v in hits.values())
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from onto_main import load_hits, pooled, singles, write_comparison  # noqa: E402 (the same hits and tables)
 
 
 def loto(options: list[dict[str, list[int]]]) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -53,7 +48,7 @@ def main() -> None:
     ap.add_argument("--members", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    singles = load_hits(args.members)
+    members = load_hits(args.members)
     labels, options = [], []
     for spec in args.option:
         label, rest = spec.split("=", 1)
@@ -62,10 +57,7 @@ def main() -> None:
         labels.append(label)
         options.append({t: hits[t][method] for t in SUITE if t in hits})
     tasks = list(options[0])
-    smol = {t: singles[t]["single-0"] for t in tasks}
-    gemma = {t: singles[t]["single-1"] for t in tasks}
-    best = smol if pooled(smol) >= pooled(gemma) else gemma
-    router = {t: smol[t] if sum(smol[t]) >= sum(gemma[t]) else gemma[t] for t in tasks}
+    smol, gemma, best, router = singles(members, tasks)
     left_out, picks = loto(options)
     lines = [
         "# smc's member weights on the dev suite, chosen leave-one-task-out",
@@ -101,11 +93,7 @@ def main() -> None:
         "Left-out choice per task: " + ", ".join(f"{t}: {c}" for t, c in chosen.items()) + ".",
     ]
     report = {"best_member": pooled(best), "router": pooled(router), "rows": rows, "left_out_choice": chosen}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comparison.json").write_text(json.dumps(report, indent=1))
-    (out / "comparison.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_comparison(args.out, report, lines)
 
 
 if __name__ == "__main__":
