@@ -19,6 +19,7 @@ from ensemble_llm.bench import (
     parse_methods,
     resolve_task,
     run_bench,
+    task_prompts,
     write,
 )
 from ensemble_llm.cli import main
@@ -38,6 +39,26 @@ def test_own_task_file_gets_no_instruction(tmp_path):
     own = tmp_path / "plural_dev.jsonl"  # same name as a bundled task, but the user's file
     own.write_text(bundled_task("plural").read_text(encoding="utf-8"), encoding="utf-8")
     assert load_task(own, 2)[0].startswith("Q: ")
+
+
+def test_drawn_shots_are_each_examples_own(tmp_path):
+    """--shots drawn: every example after its own shots (bigbench_split.py's task files), the
+    task's own prefix first; --shots fixed: the first three lines for all; a file without drawn
+    shots is refused by name."""
+    rows = [{"input": f"q{i}", "targets": [f"a{i}"], "prefix": "Do it."} for i in range(5)]
+    rows[3]["shots"] = [{"input": "x", "target": "y"}, {"input": "z", "target": "w"}]
+    rows[4]["shots"] = [{"input": "q0", "target": "a0"}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = task_prompts(path, 5, "drawn")
+    assert [p for p, _ in drawn] == ["Do it.\n\nQ: x\nA: y\nQ: z\nA: w\nQ: q3\nA:", "Do it.\n\nQ: q0\nA: a0\nQ: q4\nA:"]
+    fixed = task_prompts(path, 5, "fixed")
+    assert fixed[1][0] == "Do it.\n\nQ: q0\nA: a0\nQ: q1\nA: a1\nQ: q2\nA: a2\nQ: q4\nA:"
+    assert [ex["input"] for _, ex in drawn] == [ex["input"] for _, ex in fixed] == ["q3", "q4"]
+    with pytest.raises(ConfigError, match="no drawn shots"):
+        task_prompts(bundled_task("plural"), 2, "drawn")
+    with pytest.raises(ConfigError, match="shots must be one of"):
+        task_prompts(path, 2, "random")
 
 
 def test_tasks_and_scoring():

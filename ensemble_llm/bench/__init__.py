@@ -40,6 +40,7 @@ from .tasks import (
     repeats,
     resolve_task,
     resolve_tasks,
+    task_prompts,
 )
 
 __all__ = [
@@ -70,5 +71,6 @@ __all__ = [
     "resolve_task",
     "resolve_tasks",
     "run_bench",
+    "task_prompts",
     "write",
 ]

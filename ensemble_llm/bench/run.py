@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..methods import get_method
 from .specs import MethodSpec
 from .stats import compare_to_members, pooled
-from .tasks import CHAT_TOKENS, contains_answer, is_chat_task, load_task, norm, repeats
+from .tasks import CHAT_TOKENS, contains_answer, is_chat_task, norm, repeats, task_prompts
 
 SPEED_PROMPTS = [
     "What is the capital of France?",
@@ -113,8 +113,10 @@ def run_bench(
     device: str = "auto",
     progress: bool = True,
     preambles: bool = True,
+    shots: str = "fixed",
 ) -> dict:
-    """Run the benchmark and return the results dict (see the package docstring)."""
+    """Run the benchmark and return the results dict (see the package docstring). `shots`: the
+    few-shot reading ("fixed": the task's first three lines; "drawn": each example's own)."""
     models = list(models)
     specs = _specs(models, methods, tasks, speed_prompts, max_new_tokens, third_member)
 
@@ -127,19 +129,19 @@ def run_bench(
         eng.load()
         eng.generate("Hello, who are you?", max_new_tokens=4)  # warm-up, outside the timings
     first = next(iter(engines.values())).members
-    task_data = {Path(t).stem.removesuffix("_dev"): load_task(Path(t), n) for t, n in tasks}
+    task_data = {Path(t).stem.removesuffix("_dev"): task_prompts(Path(t), n, shots) for t, n in tasks}
     chat_tasks = {Path(t).stem.removesuffix("_dev") for t, _ in tasks if is_chat_task(Path(t))}
     if len(task_data) != len(tasks):
         raise ConfigError("two tasks have the same file name; rename one")
-    bar = _progress(len(engines) * (speed_prompts + sum(len(ex) for _, ex in task_data.values())), progress)
+    bar = _progress(len(engines) * (speed_prompts + sum(len(ex) for ex in task_data.values())), progress)
     t_start = time.perf_counter()
     speed = _speed(engines, speed_prompts, max_new_tokens, bar)
     quality = {
-        task: _task_quality(engines, task, shots, exs, task in chat_tasks, first[0], bar)
-        for task, (shots, exs) in task_data.items()
+        task: _task_quality(engines, task, exs, task in chat_tasks, first[0], bar) for task, exs in task_data.items()
     }
     bar.close()
     results = _header(models, third_member, preambles, engines, speed_prompts, max_new_tokens, quality, t_start)
+    results["shots"] = shots
     for spec in specs:
         results["methods"][spec.label] = _method_row(spec, engines[spec.label], speed[spec.label], quality, results)
     base = "single-0" if "single-0" in engines else None
@@ -218,9 +220,10 @@ def _speed(engines: dict[str, Ensemble], speed_prompts: int, max_new_tokens: int
     return speed
 
 
-def _task_quality(engines: dict[str, Ensemble], task: str, shots: str, exs: list[dict], chat: bool, main, bar) -> dict:
+def _task_quality(engines: dict[str, Ensemble], task: str, prompts: list, chat: bool, main, bar) -> dict:
     """One task's examples, every engine in turn: right answers (and, on chat tasks, repeating
     ones), seconds, three samples and the per-example hits for the paired bootstrap."""
+    exs = [ex for _, ex in prompts]
     longest = max(len(main.encode(t)) for ex in exs for t in ex["targets"])
     budget = CHAT_TOKENS if chat else min(64, longest + 4)
     right = dict.fromkeys(engines, 0)
@@ -229,8 +232,7 @@ def _task_quality(engines: dict[str, Ensemble], task: str, shots: str, exs: list
     seconds = dict.fromkeys(engines, 0.0)
     samples: dict[str, list] = {k: [] for k in engines}
     hits: dict[str, list[int]] = {k: [] for k in engines}  # per example, for the paired bootstrap
-    for ex in exs:
-        prompt = shots + f"Q: {ex['input'].strip()}\nA:"
+    for prompt, ex in prompts:
         gold = {norm(t) for t in ex["targets"]}
         for key, eng in engines.items():
             if chat:

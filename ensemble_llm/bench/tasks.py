@@ -115,8 +115,42 @@ def load_task(path: Path, n: int) -> tuple[str, list[dict]]:
         return "", lines[:n]
     if len(lines) < 4:
         raise ConfigError(f"task file {path} needs at least 4 lines (3 shots + 1 example), has {len(lines)}")
-    shots = "".join(f"Q: {x['input'].strip()}\nA: {x['targets'][0]}\n" for x in lines[:3])
+    shots = shot_text([(x["input"], x["targets"][0]) for x in lines[:3]])
     name = Path(path).stem.removesuffix("_dev")
     if name in INSTRUCTIONS and Path(path) == bundled_task(name):
         shots = INSTRUCTIONS[name] + "\n\n" + shots
+    elif isinstance(lines[0].get("prefix"), str) and lines[0]["prefix"].strip():
+        shots = lines[0]["prefix"].strip() + "\n\n" + shots  # the task's own instruction (BIG-bench's task_prefix)
     return shots, lines[3 : 3 + n]
+
+
+SHOT_READINGS = ("fixed", "drawn")
+
+
+def shot_text(pairs: Sequence[tuple[str, str]]) -> str:
+    return "".join(f"Q: {q.strip()}\nA: {a}\n" for q, a in pairs)
+
+
+def task_prompts(path: Path, n: int, shots: str = "fixed") -> list[tuple[str, dict]]:
+    """(prompt, example) for the task's scored examples: "fixed", every example after the task's
+    three first lines (`load_task`); "drawn", after three shots drawn for that example (its
+    `shots` field, written by benchmarks/bigbench_split.py). Chat tasks: the input alone."""
+    if shots not in SHOT_READINGS:
+        raise ConfigError(f"shots must be one of {SHOT_READINGS}, got {shots!r}")
+    head, exs = load_task(path, n)
+    if is_chat_task(path):
+        return [(ex["input"], ex) for ex in exs]
+    if shots == "fixed":
+        return [(head + f"Q: {ex['input'].strip()}\nA:", ex) for ex in exs]
+    out = []
+    for i, ex in enumerate(exs):
+        drawn = ex.get("shots")
+        if not isinstance(drawn, list) or not drawn:
+            raise ConfigError(
+                f"task file {path}, example {i + 1}: no drawn shots; --shots drawn needs task files "
+                "written by benchmarks/bigbench_split.py (or use --shots fixed)"
+            )
+        prefix = ex["prefix"].strip() + "\n\n" if isinstance(ex.get("prefix"), str) and ex["prefix"].strip() else ""
+        text = prefix + shot_text([(s["input"], s["target"]) for s in drawn])
+        out.append((text + f"Q: {ex['input'].strip()}\nA:", ex))
+    return out
