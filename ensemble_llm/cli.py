@@ -155,6 +155,7 @@ def _cmd_bench(args) -> int:
             device=args.device,
             progress=not args.quiet,
             preambles=not args.no_preamble,
+            shots=args.shots,
         )
 
     return _run_and_write(args, models, run, write)
@@ -312,6 +313,13 @@ def _add_bench(sub) -> None:
     )
     b.add_argument("--no-tasks", action="store_true", help="speed figures only")
     b.add_argument("--examples", type=int, default=20, help="scored examples of a task given without :N")
+    b.add_argument(
+        "--shots",
+        choices=["fixed", "drawn"],
+        default="fixed",
+        help="fixed: one prompt's three shots (the task's first lines) for every example; drawn: each "
+        "example's own three shots (task files of benchmarks/bigbench_split.py)",
+    )
     b.add_argument("--speed-prompts", type=int, default=3, help="chat prompts for the speed figures (max 20)")
     b.add_argument("--max-new-tokens", type=int, default=40, help="budget of each speed prompt")
     b.add_argument(
