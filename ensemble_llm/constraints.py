@@ -122,6 +122,89 @@ def _bounded(schema: Any) -> Any:
 _REF_ONLY = {"$ref", "$defs", "definitions", "description", "title", "$comment"}
 MAX_RECURSION = 4  # levels of a recursive definition (a tree's child, a list's next) a reply may nest
 
+# A schema's size, checked before any other work on it. OpenAI's structured outputs take at most
+# 5000 object properties in all, 10 levels of object nesting, 1000 enum values and 120,000
+# characters of property names, definition names, enum and const values
+# (platform.openai.com/docs/guides/structured-outputs, "Supported schemas"); the same bounds here.
+MAX_PROPERTIES = 5000
+MAX_NESTING = 10
+MAX_ENUM_VALUES = 1000
+MAX_NAME_CHARS = 120_000
+# Ours: JSON containers (objects and arrays) in a schema as written and once its $refs are
+# inlined (`_unrolled`). A definition referred to from two places is copied into both, so N
+# definitions that each refer twice to the next grow as 2**N: 16 such levels (2 KB) unroll to
+# 10 MB. The largest schema of the bench corpora unrolls to 42 containers; at this bound
+# unrolling stops within about 20 ms and llguidance compiles what passes in under a second here.
+MAX_SCHEMA_NODES = 10_000
+MAX_SCHEMA_DEPTH = 64  # containers inside containers as written (the checks below recurse)
+
+
+class _Sizes:
+    """What `check_schema_size` counts while it walks a schema."""
+
+    def __init__(self) -> None:
+        self.nodes = self.properties = self.enums = self.names = 0
+
+
+def check_schema_size(schema: Any, what: str = "the JSON Schema") -> None:
+    """A RequestError naming the bound a schema passes (see MAX_PROPERTIES and after), found in
+    one walk that stops at the first bound passed, before anything else reads the schema."""
+    sizes, stack = _Sizes(), [(schema, 0, 0)]  # (node, containers above it, object levels)
+    while stack:
+        node, depth, objects = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        sizes.nodes += 1
+        if sizes.nodes > MAX_SCHEMA_NODES or depth > MAX_SCHEMA_DEPTH:
+            bound = (
+                f"{MAX_SCHEMA_NODES} JSON objects and arrays"
+                if depth <= MAX_SCHEMA_DEPTH
+                else (f"{MAX_SCHEMA_DEPTH} levels of objects and arrays")
+            )
+            raise RequestError(f"{what} is too large (more than {bound}); send a smaller schema.")
+        if isinstance(node, list):
+            stack.extend((x, depth + 1, objects) for x in node)
+            continue
+        _count_node(node, sizes, objects, what)
+        for key, value in node.items():
+            if key == "properties" and isinstance(value, dict):  # a map of names to schemas, one level down
+                stack.extend((sub, depth + 2, objects + 1) for sub in value.values())
+            elif key in ("$defs", "definitions", "patternProperties", "dependentSchemas") and isinstance(value, dict):
+                stack.extend((sub, depth + 2, objects) for sub in value.values())
+            elif key not in ("enum", "const", "default", "examples", "required"):
+                stack.append((value, depth + 1, objects))
+
+
+def _count_node(node: dict, sizes: _Sizes, objects: int, what: str) -> None:
+    """One schema object's share of OpenAI's limits (see `check_schema_size`)."""
+    props = node.get("properties")
+    if isinstance(props, dict):
+        sizes.properties += len(props)
+        sizes.names += sum(len(str(k)) for k in props)
+        if objects + 1 > MAX_NESTING:
+            raise RequestError(
+                f"{what} nests objects {objects + 1} levels deep, more than the {MAX_NESTING} OpenAI's structured "
+                "outputs allow; flatten it (or refer to a definition, which is expanded a bounded number of times)."
+            )
+    for key in ("$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            sizes.names += sum(len(str(k)) for k in node[key])
+    if isinstance(node.get("enum"), list):
+        sizes.enums += len(node["enum"])
+        sizes.names += sum(len(str(v)) for v in node["enum"])
+    if "const" in node:
+        sizes.names += len(str(node["const"]))
+    for count, bound, name in (
+        (sizes.properties, MAX_PROPERTIES, "object properties"),
+        (sizes.enums, MAX_ENUM_VALUES, "enum values"),
+        (sizes.names, MAX_NAME_CHARS, "characters of property names, definition names, enum and const values"),
+    ):
+        if count > bound:
+            raise RequestError(
+                f"{what} has more than {bound} {name}, the most OpenAI's structured outputs allow; "
+                "send a smaller schema."
+            )
+
 
 def _unrolled(schema: dict, depth: int = MAX_RECURSION) -> dict:
     """A copy of `schema` with its local `$ref`s inlined, where an `anyOf`/`oneOf` alternative that
@@ -129,51 +212,69 @@ def _unrolled(schema: dict, depth: int = MAX_RECURSION) -> dict:
     alternatives, typically `null`, stay). Small models otherwise nest a recursive model
     (`child: Optional[Node]`) until their budget runs out; this is the bound other grammar
     engines call a maximum recursion depth. A $ref that has no alternative to fall back on is
-    kept as it is (its `$defs` stay in the root)."""
+    kept as it is (its `$defs` stay in the root). The copy may hold `MAX_SCHEMA_NODES` objects
+    and arrays: unrolling stops with a RequestError as soon as it would build more."""
     defs = {}
     for key in ("$defs", "definitions"):
         if isinstance(schema.get(key), dict):
             defs.update({f"#/{key}/{k}": v for k, v in schema[key].items()})
     if not defs:
         return schema
+    return _Unroller(defs, depth).walk(schema, {}, 0)
 
-    def walk(node: Any, open_: dict[str, int]) -> Any:
-        if isinstance(node, list):
-            return [walk(x, open_) for x in node]
-        if not isinstance(node, dict):
+
+class _Unroller:
+    """One `_unrolled` run: the definitions, the recursion bound and the containers built so far."""
+
+    def __init__(self, defs: dict[str, Any], depth: int) -> None:
+        self.defs, self.depth, self.built = defs, depth, 0
+
+    def walk(self, node: Any, open_: dict[str, int], level: int) -> Any:
+        if not isinstance(node, (dict, list)):
             return node
+        self.built += 1
+        if self.built > MAX_SCHEMA_NODES or level > 4 * MAX_SCHEMA_DEPTH:
+            raise RequestError(
+                f"the JSON Schema grows past {MAX_SCHEMA_NODES} JSON objects and arrays (or "
+                f"{4 * MAX_SCHEMA_DEPTH} levels) once its $refs are expanded (a definition referred to from "
+                "several places is copied into each, so definitions that each refer twice to the next double "
+                "the size at every level); refer to fewer definitions, or send a smaller schema."
+            )
+        if isinstance(node, list):
+            return [self.walk(x, open_, level + 1) for x in node]
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref in defs and not set(node) - _REF_ONLY:
-            if open_.get(ref, 0) >= depth:
+        if isinstance(ref, str) and ref in self.defs and not set(node) - _REF_ONLY:
+            if open_.get(ref, 0) >= self.depth:
                 return node
-            inner = walk(defs[ref], {**open_, ref: open_.get(ref, 0) + 1})
+            inner = self.walk(self.defs[ref], {**open_, ref: open_.get(ref, 0) + 1}, level + 1)
             kept = {k: node[k] for k in ("$defs", "definitions") if k in node}  # the root keeps its definitions
             return {**inner, **kept} if isinstance(inner, dict) else inner
+        return self._object(node, open_, level)
+
+    def _closed(self, x: Any, open_: dict[str, int]) -> bool:
+        """An alternative that would enter a definition already open `depth` times."""
+        return (
+            isinstance(x, dict)
+            and x.get("$ref") in self.defs
+            and not set(x) - _REF_ONLY
+            and open_.get(x["$ref"], 0) >= self.depth
+        )
+
+    def _object(self, node: dict, open_: dict[str, int], level: int) -> dict:
         out = {}
         for k, v in node.items():
             if k in ("$defs", "definitions"):
                 out[k] = v
             elif k in ("anyOf", "oneOf") and isinstance(v, list):
-                kept = [
-                    x
-                    for x in v
-                    if not (
-                        isinstance(x, dict)
-                        and x.get("$ref") in defs
-                        and not set(x) - _REF_ONLY
-                        and open_.get(x["$ref"], 0) >= depth
-                    )
-                ]
-                out[k] = walk(kept or v, open_)
+                kept = [x for x in v if not self._closed(x, open_)]
+                out[k] = self.walk(kept or v, open_, level + 1)
             elif k in ("properties", "patternProperties", "dependentSchemas") and isinstance(v, dict):
-                out[k] = {name: walk(sub, open_) for name, sub in v.items()}
+                out[k] = {name: self.walk(sub, open_, level + 1) for name, sub in v.items()}
             elif k in ("enum", "const", "default", "examples", "required"):
                 out[k] = v
             else:
-                out[k] = walk(v, open_)
+                out[k] = self.walk(v, open_, level + 1)
         return out
-
-    return walk(schema, {})
 
 
 def styled(schema: dict) -> dict:
@@ -192,7 +293,8 @@ class Constraint:
     kind: str
     source: str  # the schema as JSON text, the pattern, the options as JSON, the Lark text
     grammar: str  # llguidance's grammar text
-    whole: bool = False  # a cut match is useless (a forced tool call): refuse a budget it cannot fit
+    # a cut match is useless (a JSON document, a forced tool call): refuse a budget it cannot fit
+    whole: bool = False
     # text the reply starts with that no member chooses (a call to the one allowed tool starts with
     # its name): it ends every member's prompt instead of being generated, so it costs no output
     # token and no forward of its own, and the reply's text starts with it; the grammar is the rest
@@ -211,6 +313,7 @@ class Constraint:
                 raise RequestError(f"the JSON Schema is not valid JSON ({exc}); pass a dict or JSON text.") from None
         if not isinstance(schema, dict):
             raise RequestError(f"a JSON Schema must be a dict (JSON object), got {type(schema).__name__}")
+        check_schema_size(schema)  # before the meta-schema check, whose time grows with the schema
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:
@@ -227,6 +330,7 @@ class Constraint:
             "json_schema",
             json.dumps(schema),  # property order kept: it is the order written
             llg.LLMatcher.grammar_from_json_schema(styled(schema)),
+            whole=True,  # a cut document does not parse: a budget it cannot fit is refused
         )
 
     @classmethod

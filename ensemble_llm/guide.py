@@ -346,18 +346,25 @@ class Guide:
         return None
 
     def check_budget(self, i: int, budget: int) -> None:
-        """At the start of a run: a `whole` constraint (a forced tool call) whose shortest match
-        needs more of member i's tokens than `budget` is a RequestError saying how many."""
+        """At the start of a run: a `whole` constraint (a JSON document, a forced tool call) whose
+        shortest match needs more of member i's tokens than `budget` is a RequestError saying how
+        many (a cut document would only fail to parse)."""
         need = self.reserve(i, b"")
         if need is not None and need - CLOSE_MARGIN > budget:
             self.short_by = need - CLOSE_MARGIN - budget
             if self.constraint.whole:
+                json_reply = self.constraint.kind in ("json_schema", "json_object")
+                what = f"the structured output ({self.constraint.kind})" if json_reply else "the forced tool call"
+                useful = (
+                    "a useful document needs room for its values"
+                    if json_reply
+                    else "a useful call needs room for its arguments"
+                )
                 raise RequestError(
-                    f"the forced tool call needs at least {need - CLOSE_MARGIN} tokens (its shortest form: "
+                    f"{what} needs at least {need - CLOSE_MARGIN} tokens (its shortest form: "
                     f"{self.constraint.head}{self.completion(b'').decode('utf-8', 'replace')}), "
-                    f"but the budget (max_tokens / "
-                    f"max_new_tokens) is {budget}; raise it to {need - CLOSE_MARGIN} or more (a useful call needs "
-                    "room for its arguments)."
+                    f"but the budget (max_tokens / max_new_tokens) is {budget}; raise it to "
+                    f"{need - CLOSE_MARGIN} or more ({useful})."
                 )
 
     # ---- token level (member rows) --------------------------------------------------------

@@ -94,7 +94,12 @@ class GenerationParams:
         set_(self, "tool_choice", check_tool_choice(self.tool_choice, tools))
         if tools and self.raw:
             raise RequestError("tools need a chat prompt (a string or messages) with raw=False.")
-        rf = Constraint.from_response_format(self.response_format)
+        try:
+            rf = Constraint.from_response_format(self.response_format)
+        except RequestError as exc:  # named, so the server's 400 names the field
+            raise RequestError(
+                str(exc) if str(exc).startswith("response_format") else f"response_format: {exc}"
+            ) from None
         if rf is not None and tools and self.tool_choice not in ("auto", "none"):
             raise RequestError(
                 f"response_format and a forced tool call (tool_choice={self.tool_choice!r}) both "

@@ -54,6 +54,9 @@ def check_tools(tools: Any) -> list[dict] | None:
         if params is not None:
             if not isinstance(params, dict):
                 raise RequestError(f"tool {fn['name']!r}: 'parameters' must be a JSON Schema object, got {params!r}")
+            from .constraints import check_schema_size  # (llguidance is loaded only where a grammar is built)
+
+            check_schema_size(params, f"tool {fn['name']!r}: 'parameters'")  # before the meta-schema check
             try:  # the JSON Schema meta-schema of the schema's own draft (2020-12 when it names none)
                 jsonschema.validators.validator_for(params).check_schema(params)
             except jsonschema.SchemaError as exc:
