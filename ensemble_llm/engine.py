@@ -23,6 +23,7 @@ from .kvbudget import KVBudget
 from .members import DEFAULT_MODELS, Member, load_member
 from .members.loader import config_window, local_dir
 from .members.plan import MemoryPlan, plan_members
+from .members.scheduler import StepScheduler
 from .methods import get_method
 from .params import GenerationParams
 from .pipeline import make_result, member_prompts, run_method
@@ -115,8 +116,9 @@ class Ensemble:
         self._auto: dict[str, list[float]] = {}  # "auto" weights per prompt kind, once calibrated
         self._load_lock = threading.RLock()  # load() calibrates "auto" weights, which asks for the members
         self.max_batch = resolve_max_batch(max_batch, self.placement, self.devices)  # requests at once
-        self.kv_budget = KVBudget(kv_budget)  # requests wait while their KV caches would not fit
-        self._worker = Worker(self._execute, self.load, self.max_batch)
+        self.scheduler = StepScheduler()  # this engine's steps (members/scheduler.py), no other engine's
+        self.kv_budget = KVBudget(kv_budget, self.scheduler.config.slack)  # requests wait while their KV would not fit
+        self._worker = Worker(self._execute, self.load, self.max_batch, self.scheduler)
 
     @classmethod
     def shared(
@@ -165,6 +167,7 @@ class Ensemble:
                 else:
                     self.plan().check()  # the whole set, before any member downloads or loads
                     kw = {"cache_dir": self.cache_dir, "trust_remote_code": self.trust_remote_code}
+                    kw["slots"] = self.max_batch  # a llama.cpp member's context holds this many requests
                     members = [
                         load_member(s.ref, device=d, dtype=t, progress=self.progress, options=o, **kw)
                         for s, d, t, o in zip(self.sources, self.devices, self.dtypes, self.options)
@@ -224,8 +227,8 @@ class Ensemble:
             if kind not in self._auto:
                 from .calibrate import Calibrator
 
-                keys = [
-                    f"{s.ref}|{json.dumps(p, sort_keys=True)}|{m.dtype}"
+                keys = [  # the backend too: llama.cpp's log-probs are its quantized kernels', not transformers'
+                    f"{s.ref}|{json.dumps(p, sort_keys=True)}|{m.dtype}{'|llama.cpp' * (m.backend == 'llama.cpp')}"
                     for s, p, m in zip(self.sources, self.preambles, members)
                 ]
                 self._auto[kind] = Calibrator(self.cache_dir).weights(members, keys, kind, self._chat_prompt)

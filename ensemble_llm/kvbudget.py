@@ -3,9 +3,9 @@
 Each request reserves, before its method runs, a bound on the KV bytes it can hold on each device:
 per member, its KV bytes per token (`Member.kv_per_token`) times its token bound (prompt plus
 `max_new_tokens`). Requests that decode together are rows of one batched cache padded to the
-longest row, and a group grows to at most twice its longest row plus `SLACK` columns before it
+longest row, and a group grows to at most twice its longest row plus `slack` columns before it
 is rebuilt (members/batching.py), so a set S of running requests holds at most
-|S| x (2 x longest bound + SLACK + 1) tokens per member; smc's particles (a token tree per member,
+|S| x (2 x longest bound + slack + 1) tokens per member; smc's particles (a token tree per member,
 not a batched group) hold at most prompt + particles x beam_width x max_new_tokens. The budget
 admits a request when that bound, with it added, fits every device's limit; otherwise it waits
 (first come, first served, while still under its deadline and not cancelled). A request that
@@ -14,7 +14,9 @@ would not fit even alone is refused at once with a KVBudgetError (a RequestError
 
 `kv_budget`: "auto" (on CUDA 90% of the device memory free once the weights are loaded, on the
 CPU half the RAM then available: psutil), a number of bytes or a size string ("2GB", "512MiB"),
-or None (no limit). A member in a Ray actor counts on a device of its own (`RayMember.kv_device`),
+or None (no limit). A llama.cpp member counts on a device of its own, its requests' cells unpadded,
+its limit never above what its context holds (`LlamaMember.kv_capacity`). A member in a Ray actor
+counts on a device of its own (`RayMember.kv_device`),
 its "auto" limit the same share of the memory its actor found free once loaded (actors that share
 a GPU or a node each take that share: set a byte count there).
 """
@@ -28,7 +30,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from .errors import ConfigError, KVBudgetError
-from .members.batching import SCHEDULER, SLACK
+from .members.scheduler import outside_steps
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 AUTO_CUDA, AUTO_CPU = 0.9, 0.5  # "auto": shares of the free device memory / available RAM at first use
@@ -82,10 +84,12 @@ class Reservation:
 class KVBudget:
     """Admits requests while their KV bound fits (see the module)."""
 
-    def __init__(self, value: Any = "auto") -> None:
+    def __init__(self, value: Any = "auto", slack: int = 64) -> None:
         self.value = parse_budget(value)
+        self.slack = slack  # the steps' BatchingConfig.slack: a row group's width past twice its longest row
         self._limits: dict[str, int] = {}  # per device, fixed at first use ("auto": after the weights load)
         self._free: dict[str, tuple[str, int]] = {}  # a Ray member's device: (its actor's device, free bytes)
+        self._capacity: dict[str, int] = {}  # a llama.cpp member's device: the bytes its context holds
         self._running: list[Reservation] = []
         self._queue: list[Reservation] = []  # waiting, in order of arrival
         self._cond = threading.Condition()
@@ -96,8 +100,12 @@ class KVBudget:
         if device not in self._limits:
             if self.value != "auto":
                 self._limits[device] = int(self.value)
+            elif device in self._capacity:  # a llama.cpp context: what it holds
+                self._limits[device] = self._capacity[device]
             else:  # a Ray actor's: the share of what it found free on its device
                 self._limits[device] = auto_limit(*self._free.get(device, (device, None)))
+            if device in self._capacity:
+                self._limits[device] = min(self._limits[device], self._capacity[device])
         return self._limits[device]
 
     @staticmethod
@@ -122,10 +130,14 @@ class KVBudget:
             dev = str(getattr(m, "kv_device", None) or m.device)
             if getattr(m, "remote", False):
                 self._free.setdefault(dev, (str(m.actor_device), m.free_bytes))
+            if getattr(m, "kv_capacity", None):
+                self._capacity.setdefault(dev, int(m.kv_capacity))
             if rows > 1:  # a token tree per member (smc): not padded to the others
                 parts.append((dev, per_token, len(ids) + rows * max_new, False))
+            elif not getattr(m, "kv_padded", True):  # its own cells (llama.cpp), candidates' forks beside
+                parts.append((dev, per_token, len(ids) + max_new + self.slack, False))
             else:
-                parts.append((dev, per_token, 2 * (len(ids) + max_new) + SLACK + 1, True))
+                parts.append((dev, per_token, 2 * (len(ids) + max_new) + self.slack + 1, True))
         return Reservation(parts)
 
     def _fits(self, rs: Sequence[Reservation]) -> bool:
@@ -149,7 +161,7 @@ class KVBudget:
         with self._cond:
             self._queue.append(res)
             try:
-                with SCHEDULER.own_forward():  # the steps of running requests do not wait for this one
+                with outside_steps():  # the steps of running requests do not wait for this one
                     while self._queue[0] is not res or not self._fits([*self._running, res]):
                         self._cond.wait(0.05)
                         check()

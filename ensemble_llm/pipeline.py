@@ -19,7 +19,7 @@ from .errors import ContextLengthError
 from .evidence import request_weights, solo_member
 from .guide import Guide
 from .kvbudget import KVBudget
-from .members.member import current_guard
+from .members.context import current_request
 from .methods import Method, Request
 from .methods.single import Single, SingleConfig
 from .requests import Job
@@ -138,7 +138,9 @@ def run_method(
     if budget is None:
         return _run(method, job, req, notes, stops, out, cancel)
     res = budget.plan(planned, planned_ids, req.max_new_tokens, method.kv_rows())
-    with budget.hold(res, current_guard() or job.check_deadline):  # the request's deadline and cancel
+    ctx = current_request()
+    check = ctx.check if ctx is not None and ctx.check is not None else job.check_deadline
+    with budget.hold(res, check):  # the request's deadline and cancel
         notes["kv_reserved_bytes"], notes["kv_wait_s"] = sum(budget.bound([res]).values()), round(res.waited_s, 4)
         return _run(method, job, req, notes, stops, out, cancel)
 

@@ -17,7 +17,7 @@ from .params import FIELDS as PARAM_FIELDS
 from .params import GenerationParams, _check_text
 
 ROLES = ("system", "user", "assistant", "tool")
-MEMBER_KEYS = ("model", "preamble", "revision", "device_map", "max_memory", "offload_folder", "quantization")
+MEMBER_KEYS = ("model", "preamble", "revision", "device_map", "max_memory", "offload_folder", "quantization", "backend")
 
 
 class Settings(TypedDict, total=False):

@@ -12,8 +12,8 @@ import threading
 from typing import Callable
 
 from .errors import EnsembleError, GenerationError, RequestCancelled
-from .members.batching import SCHEDULER, Tally
-from .members.member import forward_guard
+from .members.context import RequestContext, request_scope
+from .members.scheduler import StepScheduler
 from .requests import Job
 from .results import GenerationResult
 from .streams import Sink
@@ -23,12 +23,15 @@ Execute = Callable[[Job, Callable[[str], None], threading.Event], GenerationResu
 
 class Worker:
     """Runs `execute(job, emit, cancel)` for each submitted job, up to `max_batch` jobs at once,
-    each on a thread of its own (their member forwards, extends and prompts, are batched into shared steps:
-    members/batching.py); `load()` runs first (outside the forward guard, so a short timeout
-    cannot cut loading off midway)."""
+    each on a thread of its own (their member forwards, extends and prompts, are batched into
+    shared steps by the engine's `scheduler`: members/scheduler.py); `load()` runs first (outside
+    the forward guard, so a short timeout cannot cut loading off midway)."""
 
-    def __init__(self, execute: Execute, load: Callable[[], object], max_batch: int = 1) -> None:
+    def __init__(
+        self, execute: Execute, load: Callable[[], object], max_batch: int = 1, scheduler: StepScheduler | None = None
+    ) -> None:
         self._execute, self._load, self.max_batch = execute, load, max_batch
+        self.scheduler = scheduler or StepScheduler()
         self._jobs: "queue.Queue" = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._open = 0  # jobs submitted and not finished (counted at submit: a job a thread has just
@@ -85,7 +88,8 @@ class Worker:
                 job.check_deadline()  # it may have expired while waiting in the queue
                 self._load()  # loading and calibration run once, outside the guard, so a short timeout
                 # cannot cut them off midway and make every request redo them
-                with SCHEDULER.request(), forward_guard(guard, Tally()):
+                ctx = RequestContext(check=guard, scheduler=self.scheduler)
+                with self.scheduler.request(ctx), request_scope(ctx):
                     result = self._execute(job, emit, cancel)
                 if attempt:
                     result.stats["retries"] = attempt

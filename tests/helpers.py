@@ -6,6 +6,9 @@ import os
 
 SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma-3-270m"
+# the bundled pair on transformers (a GGUF member's default is llama.cpp): for tests of transformers'
+# own caches or of figures measured on its numerics
+HF_PAIR = [{"model": SMOL, "backend": "transformers"}, {"model": GEMMA, "backend": "transformers"}]
 
 
 # every method on the tiny models, with uniform weights (and 2 particles for smc): (method, config)

@@ -1,8 +1,10 @@
-"""Continuous batching across concurrent requests (members/batching.py): a batched step computes
-what each row's own forward computes, and concurrent requests get the texts they get alone."""
+"""Continuous batching across concurrent requests (members/scheduler.py, the transformers executor
+in members/rowgroups.py): a batched step computes what each row's own forward computes, and
+concurrent requests get the texts they get alone."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,9 +15,23 @@ from helpers import TINY_METHODS, tiny_pair_for
 
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, RequestCancelled
-from ensemble_llm.members import batching
-from ensemble_llm.members.batching import SCHEDULER, RowGroup, Tally, _Call, run_prefills, run_step
-from ensemble_llm.members.member import forward_guard
+from ensemble_llm.members import rowgroups
+from ensemble_llm.members.context import RequestContext, request_scope
+from ensemble_llm.members.rowgroups import RowGroup, run_prefills
+from ensemble_llm.members.rowgroups import run_step as _run_step
+from ensemble_llm.members.scheduler import StepScheduler
+from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill, Score
+
+CONFIG = BatchingConfig()
+
+
+def run_step(member, calls, config=None):
+    _run_step(member, calls, config or CONFIG)
+
+
+def _ext(m, state, token, last_only=False):
+    return Extend(m, state, tokens=[token] if isinstance(token, int) else list(token), last_only=last_only)
+
 
 PROMPTS = ["The capital of France is", "Write a haiku about rain.", "2+2=", "List three colors:", "Once upon a"]
 
@@ -33,7 +49,7 @@ def _grouped(member, lengths):
     """States of these prompt lengths stepped once into one group, and their copies stepped alone."""
     states = [_state(member, n, i) for i, n in enumerate(lengths)]
     alone = [_copy(member, s) for s in states]
-    run_step(member, [_Call(member, s, 5 + i, None) for i, s in enumerate(states)])
+    run_step(member, [_ext(member, s, 5 + i) for i, s in enumerate(states)])
     for i, a in enumerate(alone):
         member.extend(a, [5 + i])
     return states, alone, states[0].group
@@ -47,7 +63,7 @@ def test_prompts_prefilled_together_match_their_own_prefills_and_step_on(tiny_me
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in (5, 19, 12)]
     states = [m.new_state() for _ in prompts]
-    run_prefills(m, [_Call(m, s, -1, None, ids=p) for s, p in zip(states, prompts)])
+    run_prefills(m, [Prefill(m, s, ids=p) for s, p in zip(states, prompts)], CONFIG)
     alone = [m.prefill(p) for p in prompts]
     group = states[0].group
     assert isinstance(group, RowGroup) and all(s.group is group for s in states)
@@ -55,7 +71,7 @@ def test_prompts_prefilled_together_match_their_own_prefills_and_step_on(tiny_me
         assert s.ids == a.ids
         torch.testing.assert_close(s.next_logprobs, a.next_logprobs, atol=1e-5, rtol=1e-5)
     for k in range(12):  # past the window
-        run_step(m, [_Call(m, s, 100 + k + i, None) for i, s in enumerate(states)])
+        run_step(m, [_ext(m, s, 100 + k + i) for i, s in enumerate(states)])
         for i, a in enumerate(alone):
             m.extend(a, [100 + k + i])
     assert all(s.group is group for s in states)
@@ -78,17 +94,17 @@ def test_prompts_scored_together_match_their_own_scoring_and_step_on(tiny_member
     for a, p, q in zip(alone, prompts, positions):
         if q is None:
             m._extend_own(a, p, last_only=True)
-        want.append(m._score_prompt_own(a, p, q) if q is not None else None)
+        want.append(m._prompt_own(a, p, q) if q is not None else None)
     states = [m.new_state() for _ in prompts]
-    calls = [_Call(m, s, -1, None, ids=p, positions=q) for s, p, q in zip(states, prompts, positions)]
-    run_prefills(m, calls)
+    calls = [Prefill(m, s, ids=p, positions=q) for s, p, q in zip(states, prompts, positions)]
+    run_prefills(m, calls, CONFIG)
     for c, w in zip(calls, want):
         if w is not None:
             assert c.result == pytest.approx(w, abs=1e-4)
     for k in range(10):  # past Gemma's window
         for s, a in zip(states, alone):
             torch.testing.assert_close(s.next_logprobs, a.next_logprobs, atol=1e-4, rtol=1e-4)
-        run_step(m, [_Call(m, s, 200 + k, None) for s in states])
+        run_step(m, [_ext(m, s, 200 + k) for s in states])
         for a in alone:
             m.extend(a, [200 + k])
     assert all(s.group is states[0].group for s in states)
@@ -103,7 +119,7 @@ def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_member
     plan = [[(0, [7, 8, 9], False), (1, [10], False)], [(1, [11, 12], True), (2, [13, 14, 15, 16], False)]]
     plan += [[(0, [17 + k], False), (1, [18, 19, 20][: 1 + k % 3], k % 2 == 0), (2, [21], False)] for k in range(8)]
     for calls in plan:
-        batch = [_Call(m, states[i], toks, None, last_only=last) for i, toks, last in calls]
+        batch = [_ext(m, states[i], toks, last_only=last) for i, toks, last in calls]
         run_step(m, batch)
         for c, (i, toks, last) in zip(batch, calls):
             want = m.extend(alone[i], toks, last_only=last)
@@ -116,10 +132,10 @@ def test_steps_of_several_tokens_per_row_match_each_rows_own_extends(tiny_member
 
 @pytest.fixture(params=["as set", "always"])
 def split(request, monkeypatch):
-    """RowGroup.step as it runs ("as set": SPLIT_COLUMNS) and with every step split ("always": the
+    """RowGroup.step as it runs ("as set": split_columns 16) and with every step split ("always": the
     one-token calls in a forward apart from longer ones, each forward over its own rows only)."""
     if request.param == "always":
-        monkeypatch.setattr(batching, "SPLIT_COLUMNS", 0)
+        monkeypatch.setattr(sys.modules[__name__], "CONFIG", BatchingConfig(split_columns=0))
     return request.param
 
 
@@ -133,7 +149,7 @@ def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, ke
     m = tiny_members[key]
     states, alone, group = _grouped(m, (7, 12, 10))
     cands = {0: [[21, 22, 23], [24, 25]], 2: [[26], [27, 28, 29, 30], [31, 32]]}
-    calls = [_Call(m, states[i], -1, None, cands=c) for i, c in cands.items()] + [_Call(m, states[1], 40, None)]
+    calls = [Score(m, states[i], cands=c) for i, c in cands.items()] + [_ext(m, states[1], 40)]
     heads, head, shapes, forward = [], m.head, [], m._forward
     assert m.head_splits()  # (checked once per member, with a head of its own)
     monkeypatch.setattr(m, "head", lambda h: heads.append(tuple(h.shape[:-1])) or head(h))
@@ -166,7 +182,7 @@ def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, ke
     after = torch.log_softmax(wants[0][3 + 2 - 1].float(), dim=-1)  # the kept candidate's last row
     torch.testing.assert_close(alone[0].next_logprobs, after, atol=1e-5, rtol=1e-5)
     for k in range(10):  # past gemma's window, all three in the group
-        run_step(m, [_Call(m, s, 60 + k + i, None) for i, s in enumerate(states)])
+        run_step(m, [_ext(m, s, 60 + k + i) for i, s in enumerate(states)])
         for i, a in enumerate(alone):
             m.extend(a, [60 + k + i])
     assert all(s.group is group for s in states)
@@ -183,7 +199,7 @@ def test_steps_in_a_group_match_each_rows_own_forwards(tiny_members, key, split)
     alone = [_copy(m, s) for s in states]
 
     def step(pairs):  # [(index, token)] batched, and the same one by one on the copies
-        run_step(m, [_Call(m, states[i], t, None) for i, t in pairs])
+        run_step(m, [_ext(m, states[i], t) for i, t in pairs])
         for i, t in pairs:
             m.extend(alone[i], [t])
             assert states[i].ids == alone[i].ids
@@ -229,15 +245,15 @@ def test_trees_of_several_requests_in_one_forward_match_each_tree_alone(tiny_mem
 def test_a_worn_group_is_rebuilt_from_its_live_rows(tiny_members):
     m = tiny_members["smol"]
     states = [_state(m, n, i) for i, n in enumerate((4, 6))]
-    run_step(m, [_Call(m, s, 5, None) for s in states])
+    run_step(m, [_ext(m, s, 5) for s in states])
     first = states[0].group
     for k in range(90):  # both rows rolled back after every step: the holes widen the group
-        run_step(m, [_Call(m, s, 7 + k, None) for s in states])
+        run_step(m, [_ext(m, s, 7 + k) for s in states])
         assert states[0].group is not None
         m.crop(states[0], 5)
         m.crop(states[1], 7)
     assert states[0].group is not first  # rebuilt once wider than twice its longest row + slack
-    run_step(m, [_Call(m, s, 3, None) for s in states])
+    run_step(m, [_ext(m, s, 3) for s in states])
     for s in states:
         alone = m.prefill(list(s.ids))
         torch.testing.assert_close(s.next_logprobs, alone.next_logprobs, atol=1e-5, rtol=1e-5)
@@ -248,10 +264,10 @@ def test_a_finished_requests_row_is_freed_at_the_next_step(tiny_members):
     rows moving up without leaving the group: what the KV budget's bound counts on."""
     m = tiny_members["smol"]
     states = [_state(m, n, i) for i, n in enumerate((4, 9, 6))]
-    run_step(m, [_Call(m, s, 5, None) for s in states])
+    run_step(m, [_ext(m, s, 5) for s in states])
     group = states[0].group
     del states[1]  # its request finished: nothing refers to the state any more
-    run_step(m, [_Call(m, s, 8, None) for s in states])
+    run_step(m, [_ext(m, s, 8) for s in states])
     assert all(s.group is group for s in states) and [s.row for s in states] == [0, 1]
     assert all(layer.keys.shape[0] == 2 for layer in group.cache.layers) and group.valid.shape[0] == 2
     for s in states:
@@ -264,14 +280,15 @@ def test_a_request_cancelled_while_passed_over_leaves_at_once(tiny_members, monk
     """A call waiting for its turn (another member's larger group keeps stepping) checks its
     request's guard while it waits: cancelled, it leaves the queue at once, its state untouched."""
     smol, gemma = tiny_members["smol"], tiny_members["gemma"]
-    monkeypatch.setattr(batching, "MAX_DEFER", 10**6)
+    sched = StepScheduler(BatchingConfig(max_defer=10**6))
     busy_states = [_state(smol, 5, 0), _state(smol, 7, 1)]
     g = _state(gemma, 6, 2)
     before = list(g.ids)
     stop, cancel, out = threading.Event(), threading.Event(), {}
 
     def busy(s):
-        with SCHEDULER.request():
+        ctx = RequestContext(scheduler=sched)
+        with sched.request(ctx), request_scope(ctx):
             for _ in range(300):
                 if stop.is_set():
                     return
@@ -282,7 +299,8 @@ def test_a_request_cancelled_while_passed_over_leaves_at_once(tiny_members, monk
             raise RequestCancelled("stopped")
 
     def lone():
-        with SCHEDULER.request(), forward_guard(guard, Tally()):  # as the worker runs a request
+        ctx = RequestContext(check=guard, scheduler=sched)
+        with sched.request(ctx), request_scope(ctx):  # as the worker runs a request
             try:
                 gemma.extend(g, [12])
                 out["r"] = "ran"
@@ -296,7 +314,7 @@ def test_a_request_cancelled_while_passed_over_leaves_at_once(tiny_members, monk
     waiting = threading.Thread(target=lone)
     waiting.start()
     t0 = time.monotonic()
-    while not any(c.state is g for c in SCHEDULER._pending) and time.monotonic() - t0 < 10:
+    while not any(c.state is g for c in sched._pending) and time.monotonic() - t0 < 10:
         time.sleep(0.002)
     cancel.set()
     waiting.join(timeout=10)
@@ -342,7 +360,7 @@ def test_concurrent_requests_get_their_sequential_texts(engines):
     ran = sum(m.n_forward for m in many.members) - sum(before)
     took_part = sum(st["forward_passes"] for r in together for st in r.stats["members"].values())
     assert ran < took_part  # some forwards served several requests at once
-    assert SCHEDULER._active == 0 and not SCHEDULER._pending
+    assert many.scheduler.idle
 
 
 def test_cancelling_one_request_leaves_the_others_texts(tiny_dirs):
@@ -365,22 +383,22 @@ def test_cancelling_one_request_leaves_the_others_texts(tiny_dirs):
     for t in threads:
         t.join(120)
     assert texts[0] == alone[0] and texts[2] == alone[2]
-    assert SCHEDULER._active == 0
+    assert many.scheduler.idle
     assert many.generate(PROMPTS[1], max_new_tokens=24, raw=True).text == alone[1]  # the engine is usable
 
 
 def test_a_requests_parts_join_the_steps_but_a_lone_request_does_not_batch():
-    """specfuse's parallel drafts run in threads of their request (`request(part=True)`): the steps
+    """specfuse's parallel drafts run in threads of their request (a part's context): the steps
     wait for them as for requests, but one request and its parts alone go straight to the member."""
-    sched, seen = batching.StepScheduler(), {}
+    sched, seen = StepScheduler(), {}
 
-    def part(key):
-        with sched.request(part=True):
-            seen[key] = (sched.batching(), sched._active)
+    def part(key, ctx):
+        with sched.request(ctx), request_scope(ctx):
+            seen[key] = (sched.batching(ctx), sched._active)
 
-    def parts():
-        threads = [threading.Thread(target=part, args=(k,)) for k in ("a", "b")]
-        with sched.own_forward():  # the request waits for its parts
+    def parts(ctx):
+        threads = [threading.Thread(target=part, args=(k, ctx.for_part())) for k in ("a", "b")]
+        with sched.own_forward(ctx):  # the request waits for its parts
             for t in threads:
                 t.start()
             for t in threads:
@@ -390,20 +408,51 @@ def test_a_requests_parts_join_the_steps_but_a_lone_request_does_not_batch():
     entered, leave = threading.Event(), threading.Event()
 
     def other():
-        with sched.request():
+        ctx = RequestContext(scheduler=sched)
+        with sched.request(ctx):
             entered.set()
             leave.wait(10)
 
-    with sched.request():
-        lone = parts()
+    main = RequestContext(scheduler=sched)
+    with sched.request(main):
+        lone = parts(main)
         t = threading.Thread(target=other)
         t.start()
         entered.wait(10)
-        together = parts()
+        together = parts(main)
         leave.set()
         t.join()
     assert lone == {"a": False, "b": False} and together == {"a": True, "b": True}
-    assert seen["a"][1] >= 3 and sched._active == 0 and sched._requests == 0
+    assert seen["a"][1] >= 3 and sched.idle and sched._requests == 0
+
+
+def test_two_engines_in_one_process_step_apart(tiny_dirs):
+    """Each engine owns its scheduler: two engines over the same loaded members, each with
+    requests running at once, never put each other's calls in a step, and each gets its texts."""
+    members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    a = Ensemble(members, method="unite", config={"weights": None}, max_batch=4).load()
+    b = Ensemble(members, method="unite", config={"weights": None}, max_batch=4).load()
+    assert a.scheduler is not b.scheduler and all(x is y for x, y in zip(a.members, b.members))
+    alone = [a.generate(p, max_new_tokens=10, raw=True).text for p in PROMPTS[:4]]
+    seen: list[set] = []
+    run = rowgroups.RowGroupExecutor.run
+
+    def spy(self, calls, config):  # which engine's requests each step holds
+        seen.append({id(c.tally) for c in calls})
+        return run(self, calls, config)
+
+    rowgroups.RowGroupExecutor.run = spy
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futs = [
+                pool.submit((a if i % 2 else b).generate, p, max_new_tokens=10, raw=True)
+                for i, p in enumerate(PROMPTS[:4])
+            ]
+            texts = [f.result().text for f in futs]
+    finally:
+        rowgroups.RowGroupExecutor.run = run
+    assert texts == alone and a.scheduler.steps > 0 and b.scheduler.steps > 0
+    assert all(len(step) <= 2 for step in seen)  # two requests per engine: a step holds one engine's
 
 
 def test_max_batch_is_checked():
@@ -458,10 +507,50 @@ def test_cache_of_holds_the_tensors_it_is_given():
     """A group's rebuild, a release and a gather wrap the KV they copied, without a second copy."""
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(2, 3, 6, 4, generator=g), torch.randn(2, 3, 6, 4, generator=g)) for _ in range(3)]
-    cache = batching.cache_of(data)
+    cache = rowgroups.cache_of(data)
     assert cache.get_seq_length() == 6 and len(cache.layers) == 3
     for layer, (k, v) in zip(cache.layers, data):
         assert layer.keys is k and layer.values is v
     new = torch.randn(2, 3, 1, 4, generator=g)
     keys, _ = cache.layers[0].update(new, new)  # and grows as a DynamicCache does
     assert torch.equal(keys, torch.cat([data[0][0], new], dim=2))
+
+
+def test_a_call_that_fails_inside_a_batched_step_fails_only_its_own_request(tiny_dirs):
+    """Four requests at once, one of whose calls makes every step it is in raise: that step's
+    calls rerun one by one, so the three others get the texts they get alone and the fourth its
+    error; then the engine answers again."""
+    from ensemble_llm.errors import GenerationError
+
+    members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    eng = Ensemble(members, method="unite", config={"weights": None}, max_batch=4).load()
+    alone = [eng.generate(p, max_new_tokens=12, raw=True).text for p in PROMPTS[:4]]
+    bad = {tuple(m.prompt_ids(PROMPTS[2])) for m in eng.members}
+    poisoned: set[int] = set()
+    run, failed = rowgroups.RowGroupExecutor.run, []
+
+    def flaky(self, calls, config):
+        for c in calls:
+            if isinstance(c, Prefill) and tuple(c.ids) in bad:
+                poisoned.add(id(c.tally))
+        if any(id(c.tally) in poisoned for c in calls):
+            failed.append(len(calls))
+            raise RuntimeError("a call that breaks its step")
+        return run(self, calls, config)
+
+    rowgroups.RowGroupExecutor.run = flaky
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(eng.generate, p, max_new_tokens=12, raw=True) for p in PROMPTS[:4]]
+            outcomes = []
+            for f in futs:
+                try:
+                    outcomes.append(f.result().text)
+                except GenerationError as exc:
+                    outcomes.append(exc)
+    finally:
+        rowgroups.RowGroupExecutor.run = run
+    assert [o for i, o in enumerate(outcomes) if i != 2] == [t for i, t in enumerate(alone) if i != 2]
+    assert isinstance(outcomes[2], GenerationError) and "breaks its step" in str(outcomes[2])
+    assert max(failed) > 1  # it did fail steps shared with other requests
+    assert eng.scheduler.idle and eng.generate(PROMPTS[2], max_new_tokens=12, raw=True).text == alone[2]

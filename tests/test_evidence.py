@@ -21,7 +21,7 @@ from ensemble_llm.evidence import (
     solo_member,
     span_positions,
 )
-from ensemble_llm.members import batching
+from ensemble_llm.members import rowgroups
 from ensemble_llm.methods import get_method
 
 FEW_SHOT = "Q: The capital of France is\nA: Paris\nQ: The capital of Japan is\nA: Tokyo\nQ: The capital of Peru is\nA:"
@@ -172,13 +172,13 @@ def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, mo
     one = Ensemble(members, method="unite", max_batch=1)
     many = Ensemble(members, method="unite", max_batch=4).load()
     alone = [one.generate(p, raw=True, max_new_tokens=6, stop=["\n"]) for p in prompts]
-    scored, forward = [], batching._prefill_forward
+    scored, forward = [], rowgroups._prefill_forward
 
     def spy(member, calls, scoring):  # how many scored prompts each batched prompt forward carried
         scored.append(sum(c.positions is not None for c in calls))
         return forward(member, calls, scoring)
 
-    monkeypatch.setattr(batching, "_prefill_forward", spy)
+    monkeypatch.setattr(rowgroups, "_prefill_forward", spy)
     # the members are `one`'s too, and its requests stored these prompts (prefix.py): kept aside, so that
     # every prompt here runs from scratch (a prompt stored by the first to finish would seed the others)
     stored = [m.prefixes for m in many.members]

@@ -480,12 +480,18 @@ def test_a_gguf_file_in_a_hub_repo_downloads_converts_once_and_generates(served,
     (folder / gguf.name).symlink_to(gguf)
     hub.add("bartowski/smol-gguf", folder)
     spec = f"bartowski/smol-gguf:{gguf.name}"
-    results, out = run_worker([{"op": "load", "spec": spec}, {"op": "load", "spec": spec}], worker_env(hub, tmp_path))
-    first, second = (ok(r) for r in results)
-    assert first["folder"] == second["folder"] and first["ids"] == second["ids"] and first["text"].strip()
-    assert out.count("converting") == 1  # the second load reuses the converted folder
+    hf = {"backend": "transformers"}
+    actions = [{"op": "load", "spec": spec}, {"op": "load", "spec": spec}]
+    actions += [{"op": "load", "spec": spec, "options": hf}, {"op": "load", "spec": spec, "options": hf}]
+    results, out = run_worker(actions, worker_env(hub, tmp_path))
+    first, second, third, fourth = (ok(r) for r in results)
+    # on llama.cpp (the default for a GGUF): the downloaded file itself, nothing converted
+    assert first["folder"] == second["folder"] and first["folder"].endswith(gguf.name)
+    assert first["ids"] == second["ids"] and first["text"].strip()
+    assert out.count("converting") == 1  # transformers converts once; its second load reuses the folder
+    assert third["folder"] == fourth["folder"] and third["ids"] == fourth["ids"] and third["text"].strip()
     assert hub.gets("bartowski/smol-gguf", gguf.name) == [None]
-    info = json.loads((Path(first["folder"]) / "ensemble_llm_source.json").read_text())
+    info = json.loads((Path(third["folder"]) / "ensemble_llm_source.json").read_text())
     assert info["hub"] == spec
 
 

@@ -12,7 +12,7 @@ from helpers import tiny_pair_for
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, KVBudgetError, RequestError, RequestTimeout
 from ensemble_llm.kvbudget import KVBudget, Reservation, parse_budget
-from ensemble_llm.members import batching
+from ensemble_llm.members import rowgroups
 
 PROMPT = "Say something about rain."
 
@@ -86,16 +86,16 @@ def test_the_bound_covers_the_caches_batched_requests_really_hold(tiny_dirs, mon
     eng = Ensemble(tiny_pair_for("safe", tiny_dirs), "safe", {"weights": None}, kv_budget="1GB", max_batch=4).load()
     index = {id(m): i for i, m in enumerate(eng.members)}
     seen = []
-    step = batching.RowGroup.step
+    step = rowgroups.RowGroup.step
 
-    def checked(group, calls):
-        step(group, calls)
+    def checked(group, calls, config):
+        step(group, calls, config)
         held = sum(x.nelement() * x.element_size() for layer in group.cache.layers for x in (layer.keys, layer.values))
         i = index[id(group.member)]
         running = [Reservation([r.parts[i]]) for r in eng.kv_budget._running]
         seen.append((held, sum(KVBudget.bound(running).values()), len(calls)))
 
-    monkeypatch.setattr(batching.RowGroup, "step", checked)
+    monkeypatch.setattr(rowgroups.RowGroup, "step", checked)
     prompts = [PROMPT, "Name three rivers.", "Tell me a long story about a cat and a dog.", "Hi"]
     eng.generate_many(prompts, max_new_tokens=24)
     assert any(n > 1 for _, _, n in seen)  # the requests did step together

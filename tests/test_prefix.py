@@ -10,8 +10,9 @@ import torch
 from helpers import GEMMA, SMOL
 
 from ensemble_llm.errors import ConfigError
-from ensemble_llm.members.batching import RowGroup, _Call, run_prefills, run_step
 from ensemble_llm.members.prefix import ENV, MIN_TOKENS, PrefixCache, configured_bytes
+from ensemble_llm.members.rowgroups import RowGroup, run_prefills, run_step
+from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill
 
 
 @contextlib.contextmanager
@@ -132,9 +133,9 @@ def test_a_prompt_batch_with_stored_beginnings_matches_each_prompts_own_forward(
         m.score_prompt(a, [2, 9, 21])
         m.forget_prompt(a)
         states = [m.new_state() for _ in prompts]
-        calls = [_Call(m, s, -1, None, ids=p, positions=q) for s, p, q in zip(states, prompts, positions)]
+        calls = [Prefill(m, s, ids=p, positions=q) for s, p, q in zip(states, prompts, positions)]
         with forward_lengths(m) as seen:
-            run_prefills(m, calls)
+            run_prefills(m, calls, BatchingConfig())
         assert cache.hits == 3 and sorted(seen) == [5, 17]  # the fresh prompt alone; the rests (5, 3, 4) in one step
         assert isinstance(states[0].group, RowGroup) and states[0].group is states[1].group is states[3].group
         for c, s, (ref, got) in zip(calls, states, want):
@@ -143,7 +144,7 @@ def test_a_prompt_batch_with_stored_beginnings_matches_each_prompts_own_forward(
             if c.positions is not None:
                 assert c.result == pytest.approx(got, abs=1e-4)
         for k in range(10):  # past Gemma's window, all four in one group
-            run_step(m, [_Call(m, s, 200 + k, None) for s in states])
+            run_step(m, [Extend(m, s, tokens=[200 + k]) for s in states], BatchingConfig())
             for ref, _ in want:
                 m.extend(ref, [200 + k])
             for s, (ref, _) in zip(states, want):
@@ -162,7 +163,7 @@ def test_stored_kv_is_never_changed_by_the_requests_that_start_from_it(tiny_memb
         m.crop(st, 12)
         m.extend(st, [8])
         group_states = [m.prefill(a[:22] + _ids(3, 15 + i)) for i in range(2)]
-        run_step(m, [_Call(m, s, 9, None) for s in group_states])
+        run_step(m, [Extend(m, s, tokens=[9]) for s in group_states], BatchingConfig())
         for (k, v), (k0, v0) in zip(entry.kv, before):
             assert torch.equal(k, k0) and torch.equal(v, v0)
 

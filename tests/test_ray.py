@@ -20,7 +20,6 @@ from test_split import split_options
 from ensemble_llm import ConfigError, Ensemble, GenerationError, KVBudgetError, RequestTimeout
 from ensemble_llm.chat import render_chat
 from ensemble_llm.members import TokenLM
-from ensemble_llm.members.batching import SCHEDULER
 from ensemble_llm.ray import clear_actors
 
 pytestmark = pytest.mark.ray
@@ -155,7 +154,7 @@ def test_ray_requests_at_once_share_the_actors_forwards(cluster, tiny_dirs, meth
     # batched: 0.41 to 0.56 of them here; with the extends sent one by one (only the prompts
     # batched) 0.94 to 0.97; smc 0.48 to 0.53, and 1.0 with its byte LMs asked one request at a time
     assert ran < 0.75 * took_part
-    assert ran <= took_part and SCHEDULER._active == 0 and not SCHEDULER._pending
+    assert ran <= took_part and many.scheduler.idle
 
 
 FEW_SHOT = "Q: The capital of France is\nA: Paris\nQ: The capital of Japan is\nA: Tokyo\nQ: The capital of {} is\nA:"

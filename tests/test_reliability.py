@@ -5,6 +5,7 @@ checks that need no weights at construction, and CLI request errors before loadi
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -162,18 +163,21 @@ def test_failed_gguf_conversion_is_remembered_until_the_file_changes(tmp_path):
     bad = tmp_path / "truncated.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 40)  # the magic, then nothing usable
     cache = tmp_path / "cache"
-    eng = Ensemble([str(bad)], cache_dir=str(cache))
+    with pytest.raises(ModelNotFoundError, match="could not read"):  # on llama.cpp: its tokenizer is unreadable
+        Ensemble([str(bad)], cache_dir=str(cache)).load()
+    bad = {"model": str(bad), "backend": "transformers"}  # converted: the verdict is remembered
+    eng = Ensemble([bad], cache_dir=str(cache))
     with pytest.raises(ModelNotFoundError, match="could not read") as first:
         eng.load()
     assert "earlier attempt" not in str(first.value)
     verdicts = list((cache / "converted").glob(".*.failed.json"))
     assert len(verdicts) == 1 and "could not read" in json.loads(verdicts[0].read_text())["error"]
     with pytest.raises(ModelNotFoundError, match="earlier attempt on this unchanged file"):
-        Ensemble([str(bad)], cache_dir=str(cache)).load()
+        Ensemble([bad], cache_dir=str(cache)).load()
     time.sleep(0.01)
-    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x01" * 40)  # changed: tried again
+    Path(bad["model"]).write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x01" * 40)  # changed: tried again
     with pytest.raises(ModelNotFoundError) as third:
-        Ensemble([str(bad)], cache_dir=str(cache)).load()
+        Ensemble([bad], cache_dir=str(cache)).load()
     assert "earlier attempt" not in str(third.value)
 
 

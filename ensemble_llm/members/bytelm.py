@@ -153,8 +153,7 @@ class ByteLM:
         """Compute log p(. | ctx) for contexts that lack it: one batched forward over all of them."""
         todo = self._todo(ctxs)
         if todo:
-            logits, kvs = self.member.forward_rows(*self._tree(todo))
-            self._apply(todo, logits, kvs)
+            self._apply(todo, *self._run_tree(todo))
 
     @staticmethod
     def _todo(ctxs: list[Context]) -> list[Context]:
@@ -169,8 +168,12 @@ class ByteLM:
         return todo
 
     def _tree(self, todo: list[Context]) -> tuple:
-        """The `forward_rows` call that computes `todo`: (prefix_kv, paths, tokens)."""
+        """The tree call (steps.Tree) that computes `todo`: (prefix_kv, paths, tokens)."""
         return self.prefix_kv, [c.parent.path() for c in todo], [c.token for c in todo]
+
+    def _run_tree(self, todo: list[Context]) -> tuple:
+        """(raw logits [len(todo), V], each context's new KV) from one forward of the member."""
+        return self.member.forward_rows(*self._tree(todo))
 
     def _apply(self, todo: list[Context], logits: torch.Tensor, kvs: list[torch.Tensor]) -> None:
         for c, kv in zip(todo, kvs):
@@ -332,17 +335,21 @@ class ByteLM:
 
 def next_logprobs_many(asks: Sequence[tuple[ByteLM, Sequence[Beam]]], tallies: list | None = None) -> list[np.ndarray]:
     """`ByteLM.next_logprobs` for several byte LMs of ONE member (several requests' smc), every
-    new context of all of them in one tree-attention forward (`Member.rows_many`). This is how a
+    new context of all of them in one step of the member's executor (one tree forward). This is how a
     member's actor batches smc's steps: the requests are in the caller, their byte LMs here."""
+    from .scheduler import DEFAULT_CONFIG
+    from .steps import Tree
+
     todos = [lm._needed(beams) for lm, beams in asks]
     live = [i for i, todo in enumerate(todos) if todo]
     if live:
         member = asks[live[0]][0].member
-        outs = member.rows_many(
-            [asks[i][0]._tree(todos[i]) for i in live], None if tallies is None else [tallies[i] for i in live]
-        )
-        for i, (logits, kvs) in zip(live, outs):
-            asks[i][0]._apply(todos[i], logits, kvs)
+        calls = [
+            Tree(member, None, None if tallies is None else tallies[i], tree=asks[i][0]._tree(todos[i])) for i in live
+        ]
+        member.executor.run(calls, DEFAULT_CONFIG)
+        for i, c in zip(live, calls):
+            asks[i][0]._apply(todos[i], *c.result)
     return [lm._answers(beams) for lm, beams in asks]
 
 

@@ -21,6 +21,9 @@ from .member import Member
 from .options import NO_OPTIONS, QUANTIZATIONS, MemberOptions
 from .registry import BUNDLED
 
+GGUF_KINDS = ("bundled", "gguf", "hub-gguf")  # sources that are one GGUF file
+LLAMA_CONTEXT = 2048  # llama.cpp: KV cells per request slot (a member's context holds max_batch of them)
+
 
 @dataclass(frozen=True)
 class Source:
@@ -62,6 +65,89 @@ def resolve_source(spec: str | os.PathLike) -> Source:
         f"unknown model {text!r}. Use a bundled name ({', '.join(sorted(BUNDLED))}), a local transformers "
         "folder, a local .gguf file, a hub id ('org/name') or a GGUF file in a hub repo ('org/name:file.gguf')."
     )
+
+
+def resolve_backend(source: Source, options: MemberOptions) -> str:
+    """"llama.cpp" or "transformers" for this member (options.py `BACKENDS`): "auto" takes llama.cpp
+    for a GGUF file when llama-cpp-python is installed and no transformers-only option is set."""
+    from .llama_cpp import available, binding
+
+    gguf = source.kind in GGUF_KINDS
+    only_hf = options.quantization is not None or options.spans
+    if options.backend == "transformers":
+        return "transformers"
+    if options.backend == "llama.cpp":
+        if not gguf:
+            raise ConfigError(
+                f"member {source.ref!r} is a {source.kind} model, but backend='llama.cpp' runs GGUF files; give a "
+                "bundled name, a .gguf file or 'org/repo:file.gguf', or backend='transformers'."
+            )
+        if only_hf:
+            raise ConfigError(
+                f"member {source.ref!r}: quantization and device_map/max_memory/offload_folder apply to "
+                "backend='transformers'; a GGUF on llama.cpp runs at its own quantization. Drop them or "
+                "give backend='transformers'."
+            )
+        binding()  # a ConfigError that says how to install it
+        return "llama.cpp"
+    return "llama.cpp" if gguf and not only_hf and available() else "transformers"
+
+
+def gguf_file(source: Source, cache_dir=None, progress: bool = True, revision: str | None = None) -> Path:
+    """The GGUF file of a GGUF source (fetched or downloaded once)."""
+    if source.kind == "bundled":
+        return fetch_bundled(BUNDLED[source.ref], cache_dir, progress=progress)
+    if source.kind == "gguf":
+        return Path(source.ref)
+    repo, filename = split_hub_ref(source.ref)
+    return hub_file(repo, filename, revision, progress=progress)
+
+
+def gguf_tokenizer_folder(source: Source, path: Path, cache_dir=None) -> Path:
+    """A folder with the transformers tokenizer of a GGUF file, read once from it without its weights."""
+    root = cache_root(cache_dir)
+    if source.kind == "bundled":
+        converted = root / "converted" / source.ref
+        folder = converted if is_converted(converted) else root / "tokenizers" / source.ref
+    else:
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        folder = root / "tokenizers" / f"{path.stem}-{key}"
+    if not is_converted(folder):
+        extract_tokenizer(path, folder)
+    return folder
+
+
+def gguf_tokenizer(source: Source, path: Path, cache_dir=None):
+    """The transformers tokenizer of a GGUF file (`gguf_tokenizer_folder`)."""
+    return load_cached_tokenizer(gguf_tokenizer_folder(source, path, cache_dir))
+
+
+def load_llama_member(source: Source, dev: torch.device, options: MemberOptions, cache_dir, progress, slots: int):
+    """A GGUF member on llama.cpp (llama.py), its context sized for `slots` requests."""
+    from .llama import LlamaMember, check_tokenizer
+    from .plan import gguf_params_and_config, kv_bytes_per_token
+
+    path = gguf_file(source, cache_dir, progress, options.revision)
+    t0 = time.perf_counter()
+    folder = gguf_tokenizer_folder(source, path, cache_dir)
+    tokenizer = load_cached_tokenizer(folder)
+    _, config = gguf_params_and_config(path)
+    window = int(config.get("max_position_embeddings") or LLAMA_CONTEXT)
+    n_ctx = -(-max(1, slots) * min(window, LLAMA_CONTEXT) // 256) * 256
+    member = LlamaMember(
+        source.name,
+        str(path),
+        tokenizer,
+        n_ctx=n_ctx,
+        kv_per_token=kv_bytes_per_token(config, torch.float16),
+        device=dev,
+        source=str(path),
+    )
+    check_tokenizer(member)
+    member.tokenizer_folder = str(folder)  # what a Ray actor sends its caller
+    member.load_seconds = time.perf_counter() - t0
+    return member
 
 
 def check_options(source: Source, options: MemberOptions) -> None:
@@ -303,51 +389,64 @@ def load_member(
     progress: bool = True,
     options: MemberOptions | None = None,
     context_tokens: int | None = None,
+    slots: int = 8,
 ) -> Member:
     """Load (once per process) the member described by `spec` on `device` (or where its
     `options` place it). Before anything is downloaded or loaded, the member's memory plan
     (members/plan.py: weights + KV cache for `context_tokens`, default min(4096, its context
-    window)) is checked against what its devices have free: ConfigError with the numbers."""
-    from .plan import plan_members
-
+    window)) is checked against what its devices have free: ConfigError with the numbers. A GGUF
+    member runs on llama.cpp (`resolve_backend`), its context sized for `slots` requests at once."""
     options = options or NO_OPTIONS
     source = resolve_source(spec)
     check_options(source, options)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    key = (source, str(dev), str(dt), str(cache_dir), trust_remote_code, options)
+    backend = resolve_backend(source, options)
+    key = (source, str(dev), str(dt), str(cache_dir), trust_remote_code, options, backend)
+    key += (slots,) if backend == "llama.cpp" else ()  # its context is sized for them
     with _CACHE_LOCK:
         lock = _KEY_LOCKS.setdefault(key, threading.Lock())
     with lock:  # one load per model; different models may load in parallel
         if key in _CACHE:
             return _CACHE[key]
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        if backend == "llama.cpp":
+            _CACHE[key] = load_llama_member(source, dev, options, cache_dir, progress, slots)
+        else:
+            hf = (source, dev, dt, options, cache_dir, progress, trust_remote_code, context_tokens)
+            _CACHE[key] = load_hf_member(*hf)
+        return _CACHE[key]
 
-        plan_members([source], [dev], [dt], [options], cache_dir, context_tokens=context_tokens).check()
-        folder = local_dir(source, cache_dir, progress=progress, revision=options.revision)
-        t0 = time.perf_counter()
-        tokenizer = (
-            load_cached_tokenizer(folder)
-            if source.kind in ("bundled", "gguf", "hub-gguf")
-            else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        )
-        kwargs = {**placement_kwargs(dev, options), **quantization_kwargs(folder, dev, dt, options)}
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dt, trust_remote_code=trust_remote_code, **kwargs
-            )
-        except ImportError as exc:
-            method = prequantized(folder)
-            if method is None:
-                raise
-            raise ConfigError(
-                f"{folder} is a checkpoint saved quantized ({method}), and transformers cannot load it here: {exc} "
-                "Install the package it names (GPTQ/AWQ checkpoints usually need a CUDA GPU too)."
-            ) from exc
-        member = Member(source.name, model, tokenizer, source=str(folder))
-        member.load_seconds = time.perf_counter() - t0
-        _CACHE[key] = member
-        return member
+
+def load_hf_member(
+    source: Source, dev, dt, options: MemberOptions, cache_dir, progress, trust_remote_code, context_tokens
+) -> Member:
+    """A member on transformers, its memory plan checked first (members/plan.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .plan import plan_members
+
+    plan_members([source], [dev], [dt], [options], cache_dir, context_tokens=context_tokens).check()
+    folder = local_dir(source, cache_dir, progress=progress, revision=options.revision)
+    t0 = time.perf_counter()
+    tokenizer = (
+        load_cached_tokenizer(folder)
+        if source.kind in GGUF_KINDS
+        else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    )
+    kwargs = {**placement_kwargs(dev, options), **quantization_kwargs(folder, dev, dt, options)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, trust_remote_code=trust_remote_code, **kwargs)
+    except ImportError as exc:
+        method = prequantized(folder)
+        if method is None:
+            raise
+        raise ConfigError(
+            f"{folder} is a checkpoint saved quantized ({method}), and transformers cannot load it here: {exc} "
+            "Install the package it names (GPTQ/AWQ checkpoints usually need a CUDA GPU too)."
+        ) from exc
+    member = Member(source.name, model, tokenizer, source=str(folder))
+    member.load_seconds = time.perf_counter() - t0
+    return member
 
 
 def clear_cache() -> None:

@@ -18,45 +18,14 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from .batching import SCHEDULER, Tally
 from .bytelm import ByteLM
+from .context import check_request, current_request, current_tally
 from .headpad import pad_rows
 from .prefix import PrefixCache, configured_bytes, seed_cache
+from .rowgroups import RowGroupExecutor
+from .scheduler import outside_steps, run_call
+from .steps import Extend, Prefill, Score, Tree
 from .vocab import Vocab, token_bytes
-
-_GUARD = threading.local()
-
-
-@contextlib.contextmanager
-def forward_guard(check, tally: Tally | None = None):
-    """Call `check()` before every forward pass run by this thread inside the block. The engine
-    passes its request's deadline and cancellation check: it raises, so a request stops within
-    one forward pass of its timeout or of its caller going away, whatever the method is doing.
-    The forwards run for the request are counted in `tally` (its stats: `Member.counters`)."""
-    previous = getattr(_GUARD, "check", None), getattr(_GUARD, "tally", None)
-    _GUARD.check, _GUARD.tally = check, tally
-    try:
-        yield
-    finally:
-        _GUARD.check, _GUARD.tally = previous
-
-
-def _check_guard() -> None:
-    """Run this thread's forward guard (deadline, cancellation), if it has one."""
-    check = getattr(_GUARD, "check", None)
-    if check is not None:
-        check()
-
-
-def current_guard():
-    """The check `forward_guard` installed for this thread (None outside a request): threads that
-    run part of a request (parallel drafts, remote waits) install the same one."""
-    return getattr(_GUARD, "check", None)
-
-
-def current_tally() -> Tally | None:
-    """The request's forward counts `forward_guard` installed for this thread (None outside one)."""
-    return getattr(_GUARD, "tally", None)
 
 
 @dataclass
@@ -98,6 +67,22 @@ class TokenizerView:
         self.adds_bos = bool(self.bos_id is not None and probe and probe[0] == self.bos_id)
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.vocab = Vocab(self)  # token index, byte trie, llguidance tokenizer: built on first use
+
+    def _ready_slot(self, state: Any = None, take: bool = False) -> Any:
+        """score_prompt's prefilled state for the prefill that follows, kept by the request (or,
+        outside one, by the member): set it (`state`), or take it (`take`)."""
+        ctx = current_request()
+        ready = ctx.ready if ctx is not None else None
+        if take:
+            if ready is not None:
+                return ready.pop(id(self), None)
+            out, self._ready_outside = getattr(self, "_ready_outside", None), None
+            return out
+        if ready is not None:
+            ready[id(self)] = state
+        else:
+            self._ready_outside = state
+        return None
 
     # ---- text <-> tokens ---------------------------------------------------------------
     @cached_property
@@ -166,9 +151,11 @@ def layer_devices(model, default: torch.device) -> list[torch.device]:
 
 
 class Member(TokenizerView):
-    """A causal LM + tokenizer, with forward-pass counters for stats. Its layers may sit on one
+    """A causal LM + tokenizer on transformers, with forward-pass counters for stats. Its layers may sit on one
     device or be spread by accelerate (device_map, max_memory: GPUs, CPU, disk offload): inputs go
     to the device of the input embeddings (`device`), logits and KV slices come back there."""
+
+    backend = "transformers"
 
     def __init__(self, name: str, model, tokenizer, *, source: str = "") -> None:
         self.model = model.eval()
@@ -190,12 +177,12 @@ class Member(TokenizerView):
         self.n_forward = 0
         self.n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
         self.forward_time = 0.0
-        self._ready = threading.local()  # per thread: a prompt's state that score_prompt ran, for the next prefill
         self._head_ok: bool | None = None  # see head_splits
         # linear layers' products of a few rows planned where the CPU's library is slow at them, by shape
         self.row_plans = pad_rows(self.model) if self.device.type == "cpu" else {}
         self.prefixes = PrefixCache(configured_bytes())  # recent prompts' KV, for prompts that begin alike
         self._lock = threading.RLock()  # one forward at a time; a RowGroup is changed under it
+        self.executor = RowGroupExecutor(self)  # runs this member's calls in the engine's steps
 
     def __repr__(self) -> str:
         return f"Member({self.name!r}, device={self.device}, dtype={self.dtype})"
@@ -228,8 +215,8 @@ class Member(TokenizerView):
         guards ran before they joined it), any other forward runs under this thread's guard.
         `hidden`: the final hidden states instead of logits (the caller applies `head`)."""
         if tallies is None:
-            _check_guard()
-            with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
+            check_request()
+            with outside_steps():  # the other requests' steps do not wait for this one
                 return self._forward([current_tally()], hidden, **kw)
         with self._lock:
             t0 = time.perf_counter()
@@ -267,17 +254,11 @@ class Member(TokenizerView):
         262k vocabulary, every position's logits would cost 1 MB and a full lm_head product)."""
         if not ids:
             raise ValueError("extend() needs at least one token id")
-        prompt = len(ids) > 1 and last_only and not state.ids and state.group is None
-        if (state.ids or len(ids) == 1 or prompt) and SCHEDULER.batching():  # other requests run: one
-            _check_guard()  # forward for all their extends (or their prompts)
-            self.drop_candidates(state)
-            if prompt:
-                return SCHEDULER.prefill(self, state, ids, current_tally(), guard=current_guard())
-            return SCHEDULER.extend(self, state, list(ids), current_tally(), last_only, guard=current_guard())
-        self._own(state)
-        if prompt:
-            return self._prompt_own(state, list(ids))
-        return self._extend_own(state, ids, last_only)
+        ids = [int(i) for i in ids]
+        self.drop_candidates(state)
+        if len(ids) > 1 and last_only and not state.ids and state.group is None:  # a prompt
+            return run_call(Prefill(self, state, ids=ids))
+        return run_call(Extend(self, state, tokens=ids, last_only=last_only))
 
     def _extend_own(self, state: KVState, ids: Sequence[int], last_only: bool = False, tally=None) -> torch.Tensor:
         self.drop_candidates(state)
@@ -293,7 +274,7 @@ class Member(TokenizerView):
     def prefill(self, ids: Sequence[int]) -> KVState:
         """A new state holding `ids` (the prompt); its next_logprobs is ready. The state that
         `score_prompt` left for the same ids is handed over instead of running the prompt again."""
-        ready, self._ready.state = getattr(self._ready, "state", None), None
+        ready = self._ready_slot(take=True)
         if ready is not None and ready.ids == [int(i) for i in ids]:
             return ready
         self._count_prefill()
@@ -311,26 +292,19 @@ class Member(TokenizerView):
         next `prefill` of the same ids, so a request that scores its prompt runs it once."""
         if not ids:
             raise ValueError("score_prompt() needs at least one token id")
-        self._ready.state = None
+        self._ready_slot(take=True)
         self._count_prefill()
         state = self.new_state()
         ids, positions = [int(i) for i in ids], [int(p) for p in positions]
-        if SCHEDULER.batching() and self.head_splits():  # with the other requests' prompts, in one forward
-            _check_guard()
-            scores = SCHEDULER.prefill(self, state, ids, current_tally(), guard=current_guard(), positions=positions)
-        else:
-            scores = self._score_prompt_own(state, ids, positions)
-        self._ready.state = state
+        scores = run_call(Prefill(self, state, ids=ids, positions=positions))  # with other requests' prompts
+        self._ready_slot(state)
         return scores
 
     def forget_prompt(self, ids: Sequence[int]) -> None:
         """Drop the state `score_prompt` kept for `ids` (a request that will not prefill here)."""
-        ready = getattr(self._ready, "state", None)
-        if ready is not None and ready.ids == [int(i) for i in ids]:
-            self._ready.state = None
-
-    def _score_prompt_own(self, state: KVState, ids: list[int], positions: list[int], tally=None) -> list[float]:
-        return self._prompt_own(state, ids, positions, tally)
+        ready = self._ready_slot(take=True)
+        if ready is not None and ready.ids != [int(i) for i in ids]:
+            self._ready_slot(ready)
 
     def _prompt_own(
         self, state: KVState, ids: list[int], positions: list[int] | None = None, tally=None, seeded=None
@@ -521,10 +495,7 @@ class Member(TokenizerView):
         joins theirs in one forward (members/batching.py: each tree keeps its own columns)."""
         if not tokens or len(paths) != len(tokens):
             raise ValueError("forward_rows needs one path per token and at least one token")
-        if SCHEDULER.batching():
-            _check_guard()
-            return SCHEDULER.rows(self, (prefix_kv, paths, tokens), current_tally(), guard=current_guard())
-        return self.rows_many([(prefix_kv, paths, tokens)])[0]
+        return run_call(Tree(self, None, tree=(prefix_kv, paths, tokens)))
 
     def rows_many(self, calls: Sequence[tuple], tallies: list | None = None) -> list[tuple]:
         """`forward_rows` for several (prefix_kv, paths, tokens) trees in ONE forward: every tree's
@@ -601,12 +572,7 @@ class Member(TokenizerView):
         self.drop_candidates(state)
         self.ensure_next(state)
         cands = [[int(t) for t in c] for c in candidates]
-        if SCHEDULER.batching():  # with the other requests' steps of this member, in their group
-            _check_guard()
-            logits = SCHEDULER.score(self, state, cands, current_tally(), guard=current_guard())
-        else:
-            self._own(state)
-            logits = self._score_own(state, cands)
+        logits = run_call(Score(self, state, cands=cands))  # with the other requests' steps of this member
         return self.scored(state, cands, logits, raw_logits, keep)
 
     def scored(

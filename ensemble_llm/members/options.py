@@ -10,7 +10,10 @@ from typing import Any
 
 from ..errors import ConfigError
 
-OPTION_KEYS = ("revision", "device_map", "max_memory", "offload_folder", "quantization")
+OPTION_KEYS = ("revision", "device_map", "max_memory", "offload_folder", "quantization", "backend")
+# "auto": a GGUF member (bundled, a .gguf file, a hub repo's .gguf) runs on llama.cpp when
+# llama-cpp-python is installed, at the file's own quantization; any other member on transformers
+BACKENDS = ("auto", "llama.cpp", "transformers")
 QUANTIZATIONS = ("int8", "int4")
 # bytes one quantized linear-layer parameter takes (scales and zero points not counted)
 QUANT_BYTES = {"int8": 1.0, "int4": 0.5}
@@ -38,6 +41,7 @@ class MemberOptions:
     ("auto", "balanced", "balanced_low_0", "sequential") or module -> device pairs, so one member
     may span several GPUs, GPU and CPU, or CPU and disk. max_memory: device -> bytes it may use
     (GPU index, "cpu", "disk", "mps"); offload_folder: where layers that fit nowhere else go.
+    backend: "auto", "llama.cpp" or "transformers" (`BACKENDS`).
     max_memory or offload_folder without a device_map mean device_map="auto". quantization: None
     (the dtype's own weights), "int8" or "int4": the linear layers' weights are quantized as they
     load (bitsandbytes on CUDA, torchao on CPU; members/loader.py quantization_kwargs)."""
@@ -47,6 +51,7 @@ class MemberOptions:
     max_memory: tuple[tuple[int | str, int], ...] | None = None
     offload_folder: str | None = None
     quantization: str | None = None
+    backend: str = "auto"
 
     @property
     def spans(self) -> bool:
@@ -162,10 +167,14 @@ def member_options(raw: dict, where: str) -> MemberOptions:
         )
     if device_map is None and (max_memory is not None or folder is not None):
         device_map = "auto"
+    backend = raw.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{where} backend={backend!r} is not one of {list(BACKENDS)}.")
     return MemberOptions(
         revision=revision,
         device_map=device_map,
         max_memory=max_memory,
         offload_folder=os.fspath(folder) if folder is not None else None,
         quantization=quantization,
+        backend=backend,
     )

@@ -32,7 +32,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -57,11 +57,14 @@ class Entry:
     and the log-probs it scored, by position (score_prompt)."""
 
     ids: tuple[int, ...]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    kv: Any  # transformers: every layer's (keys, values); llama.cpp: the sequence holding the prompt
     scores: dict[int, float] = field(default_factory=dict)
+    size: int | None = None  # bytes, when the KV is not tensors here (a llama.cpp sequence)
 
     @property
     def nbytes(self) -> int:
+        if self.size is not None:
+            return self.size
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
 
 
@@ -115,7 +118,7 @@ class PrefixCache:
                     n = p - 1
                     break
             if n > best:  # the entry's scores as far as they hold for `ids`
-                best, found = n, Entry(e.ids, e.kv, {p: v for p, v in e.scores.items() if p < shared})
+                best, found = n, Entry(e.ids, e.kv, {p: v for p, v in e.scores.items() if p < shared}, e.size)
         if best < MIN_TOKENS:
             return 0, None
         with self._lock:
@@ -125,13 +128,14 @@ class PrefixCache:
             self.reused += best
         return best, found
 
-    def put(self, ids: Sequence[int], kv: list[tuple[torch.Tensor, torch.Tensor]], scores: dict[int, float]) -> None:
-        """Keep a prompt's KV (tensors the caller will not change) and scores; stored prompts that
-        it begins with go (it holds what they hold); the least recently used go past the bound."""
+    def put(self, ids: Sequence[int], kv: Any, scores: dict[int, float], size: int | None = None) -> None:
+        """Keep a prompt's KV (tensors the caller will not change, or a sequence of `size` bytes)
+        and scores; stored prompts that it begins with go (it holds what they hold); the least
+        recently used go past the bound."""
         key = tuple(int(i) for i in ids)
         if self.max_bytes <= 0 or len(key) <= MIN_TOKENS:
             return
-        entry = Entry(key, kv, dict(scores))
+        entry = Entry(key, kv, dict(scores), size)
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:

@@ -34,9 +34,9 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
-from ..members.batching import SCHEDULER
-from ..members.member import current_guard, current_tally, forward_guard
+from ..members.context import current_request, request_scope
 from ..members.rows import pick_token
+from ..members.scheduler import outside_steps
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
 from .base import SOLO, Method, Request, RunStats, check_solo
 from .text import Utf8Releaser
@@ -267,7 +267,7 @@ class _FuseRun:
         self.st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
         # members on different devices, or in Ray actors, draft and score in parallel threads
         parallel = len({str(m.device) for m in members}) > 1 or any(m.remote for m in members)
-        self.check, self.tally = current_guard(), current_tally()  # the request's deadline and counts hold there too
+        self.ctx = current_request()  # the request's deadline, counts and steps hold in the threads too
         # one generator per member when drafting in parallel, so sampling stays reproducible
         self.gens = [req.generator] * self.k
         if parallel and req.generator is not None and req.temperature > 0:
@@ -284,14 +284,15 @@ class _FuseRun:
         """fn over items: in the pool's threads (under the request's deadline) when there is one."""
         if self.pool is None:
             return [fn(x) for x in items]
-        joined = SCHEDULER.joined()  # each thread's forwards join the steps, as the request's would
+        ctx = self.ctx
+        sched = None if ctx is None or ctx.scheduler is None or not ctx.scheduler.joined(ctx) else ctx.scheduler
 
-        def guarded(x):
-            part = SCHEDULER.request(part=True) if joined else contextlib.nullcontext()
-            with part, forward_guard(self.check, self.tally):
+        def guarded(x):  # each thread's forwards join the steps, as the request's would
+            part = None if ctx is None else ctx.for_part()
+            with sched.request(part) if sched else contextlib.nullcontext(), request_scope(part):
                 return fn(x)
 
-        with SCHEDULER.own_forward():  # the steps wait for the threads, not for this one
+        with outside_steps():  # the steps wait for the threads, not for this one
             return list(self.pool.map(guarded, items))
 
     def round(self) -> tuple[str, bool]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, GenerationError
-from ..members.bytelm import ByteLM, next_logprobs_many
+from ..members.bytelm import next_logprobs_many
 from ..members.plan import free_bytes
 from ..members.rows import mask_heal, merge_into, pick_token
 
@@ -117,12 +117,12 @@ class MemberActor:
 
     def info(self) -> dict:
         m = self.member
-        eos = m.model.generation_config.eos_token_id if m.model.generation_config else None
         return {
             "name": m.name,
+            "backend": m.backend,
             "vocab_size": m.vocab_size,
             "context_window": m.context_window,
-            "eos_ids": eos if isinstance(eos, list) else [eos] if eos is not None else [],
+            "eos_ids": sorted(m.eos_ids),
             "n_params": m.n_params,
             "dtype": str(m.dtype),
             "device": str(m.device),
@@ -135,7 +135,10 @@ class MemberActor:
         }
 
     def _quantized(self) -> str | None:
-        """How the loaded weights are quantized (the model config's quant_method), or None."""
+        """How the loaded weights are quantized (the model config's quant_method; llama.cpp: the
+        GGUF's own), or None."""
+        if self.member.backend == "llama.cpp":
+            return "gguf"
         qc = getattr(self.member.model.config, "quantization_config", None)
         if qc is None:
             return None
@@ -153,7 +156,7 @@ class MemberActor:
         return self._tokenizer_files()
 
     def _tokenizer_files(self) -> dict[str, bytes]:
-        folder = Path(self.member.source)
+        folder = Path(getattr(self.member, "tokenizer_folder", self.member.source))  # llama.cpp: not its GGUF
         return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.name in TOKENIZER_FILE_NAMES}
 
     def call(self, op: str, args: tuple, dead: list[int], tags: tuple = ()) -> Any:
@@ -210,7 +213,8 @@ class MemberActor:
         request's weights (score_prompt) (None, None, ids, count handle, positions): its scores
         come back and its state waits in `ready` for the prefill that follows. Each request's
         forwards and prefills count for it alone (a prompt scored before needs no forward)."""
-        from ..members.batching import _Call, run_prefills
+        from ..members.scheduler import DEFAULT_CONFIG
+        from ..members.steps import Prefill
 
         m, calls, scored, out, ready = self.member, [], {}, [None] * len(items), []
         for i, (h, _, ids, tag, positions) in enumerate(items):
@@ -221,17 +225,18 @@ class MemberActor:
                 count = None if tag is None else _TagCount(self.objs, tag)
                 if count is not None:
                     count.add(m, 0, 0.0, 1)
-                if positions is not None and not m.head_splits():  # its head differs: scored alone
-                    out[i] = m._score_prompt_own(st, ids, positions, tally=count)
+                call = Prefill(m, st, count, ids=ids, positions=positions)
+                if not m.executor.batchable(call):  # e.g. a scored prompt whose head does not split
+                    out[i] = m.executor.run_alone(call, DEFAULT_CONFIG)
                 else:
-                    calls.append(_Call(m, st, -1, count, ids=ids, positions=positions))
-                    scored[id(calls[-1])] = i if positions is not None else None
+                    calls.append(call)
+                    scored[id(call)] = i if positions is not None else None
             if positions is not None:
                 ready.append((tuple(ids), st))
             else:
                 self.objs[h] = st
         if calls:
-            run_prefills(m, calls)
+            m.executor.run(calls, DEFAULT_CONFIG)
         for key, st in ready:  # once computed: for the prefill that follows
             self.ready[key] = st
             while len(self.ready) > READY_KEPT:
@@ -250,7 +255,8 @@ class MemberActor:
         keep, tag) each, a request's forwards counted under its tag (a step's calls may run in two
         forwards: each counts the one it took part in); the scorings' answers come back (None for
         an extend)."""
-        from ..members.batching import _Call, run_step
+        from ..members.scheduler import DEFAULT_CONFIG
+        from ..members.steps import Extend, Score
 
         m, calls = self.member, []
         for kind, h, x, y, z, tag in items:
@@ -258,11 +264,11 @@ class MemberActor:
             m.drop_candidates(st)
             count = None if tag is None else _TagCount(self.objs, tag)
             if kind == "extend":
-                calls.append(_Call(m, st, y, count, last_only=z))
+                calls.append(Extend(m, st, count, tokens=[int(t) for t in y], last_only=z))
             else:
                 m.ensure_next(st)
-                calls.append(_Call(m, st, -1, count, cands=x))
-        run_step(m, calls)
+                calls.append(Score(m, st, count, cands=x))
+        m.executor.run(calls, DEFAULT_CONFIG)
         out: list = []
         for (kind, _, x, y, z, _tag), c in zip(items, calls):
             if kind == "extend":
@@ -368,7 +374,7 @@ class MemberActor:
     # smc: the member's byte LM lives here; beams are handles
     def op_bytelm(self, L: int, beam_width: int, prune: float, temperature: float, keep_fresh: bool) -> None:
 
-        self.objs[L] = ByteLM(self.member, beam_width, prune, temperature, keep_fresh=keep_fresh)
+        self.objs[L] = self.member.byte_lm(beam_width, prune, temperature, keep_fresh=keep_fresh)
 
     def op_bytelm_start(self, L: int, b: int, ids: list[int]) -> int:
         beam = self.objs[b] = self._state(L).start(ids)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from ..members.batching import SCHEDULER
-from ..members.member import _check_guard, current_guard, current_tally
+from ..members.scheduler import run_call
+from ..members.steps import Tree
 
 if TYPE_CHECKING:  # annotations only: member.py imports this module
     from .member import RayMember
@@ -206,12 +206,9 @@ class RemoteByteLM:
         self._flush()
         uniq: dict[int, int] = {}
         index = [uniq.setdefault(b.handle.id, len(uniq)) for b in beams]
-        if SCHEDULER.batching():  # with the other requests' byte LMs of this member: one actor call, one forward
-            _check_guard()
-            guard = current_guard()
-            part = SCHEDULER.rows(self.member, ("bytelm", self.handle.id, list(uniq)), current_tally(), guard=guard)
-            return _Rows(part, index)
-        return _Rows(self.member._ask("bytelm_next", self.handle.id, list(uniq)), index)
+        # with the other requests' byte LMs of this member: one actor call, one forward there
+        part = run_call(Tree(self.member, None, tree=("bytelm", self.handle.id, list(uniq))))
+        return _Rows(part, index)
 
     def next_logprobs(self, beams: Sequence[RemoteBeam]) -> np.ndarray:
         return self.next_logprobs_async(beams).get()

@@ -13,8 +13,10 @@ import numpy as np
 import torch
 
 from ..errors import GenerationError
-from ..members.batching import SCHEDULER, Tally
-from ..members.member import TokenizerView, _check_guard, current_guard, current_tally
+from ..members.context import Tally, check_request, current_check, current_tally
+from ..members.member import TokenizerView
+from ..members.scheduler import outside_steps, run_call
+from ..members.steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
 from .actor import MAX_RESTARTS, WAIT_SLICE_S, _ray, payload_bytes
 from .handles import Pending, RemoteByteLM, RemoteRow, RemoteRows, RemoteState, _Handle
 
@@ -45,6 +47,47 @@ class _Part:
         return out
 
 
+class RayExecutor:
+    """A Ray member's executor (steps.Executor): a step of its calls is one call to its actor
+    (`RayMember.run_batch`); a call alone is sent as it is. Its forwards run apart from this
+    process, so its steps never wait for another member's (`apart`)."""
+
+    apart = True
+
+    def __init__(self, member: "RayMember") -> None:
+        self.member = member
+
+    def group(self, call: StepCall) -> tuple:
+        return (id(self.member), call.kind)
+
+    def batchable(self, call: StepCall) -> bool:
+        return not (isinstance(call, Extend) and not call.state.ids)
+
+    def run(self, calls: Sequence[StepCall], config: BatchingConfig) -> None:
+        self.member.run_batch(calls[0].kind, list(calls))
+
+    def recover(self, call: StepCall) -> None:
+        """Nothing to undo here: a failed actor call changed nothing the caller holds."""
+
+    def run_alone(self, call: StepCall, config: BatchingConfig) -> Any:
+        m = self.member
+        if isinstance(call, Prefill):
+            if call.positions is not None:
+                return Pending(m, m._forward("score_prompt", call.ids, call.positions))
+            rows = RemoteRows(m, 1)
+            m._forward("prefill", call.state.handle.id, rows.handle.id, call.ids)
+            return rows
+        if isinstance(call, Extend):
+            rows = RemoteRows(m, 1 if call.last_only else len(call.tokens))
+            m._forward("extend", call.state.handle.id, rows.handle.id, call.tokens, call.last_only)
+            return rows
+        if isinstance(call, Score):
+            return Pending(m, m._forward("score_inline", call.state.handle.id, call.cands, *call.opts))
+        if isinstance(call, Tree) and call.tree[0] == "bytelm":  # (_, byte LM handle, beam handles)
+            return m._ask("bytelm_next", call.tree[1], call.tree[2])
+        raise ValueError(f"a member in a Ray actor does not run {type(call).__name__} calls")
+
+
 class RayMember(TokenizerView):
     """A member whose model runs in a Ray actor (see the module docstring)."""
 
@@ -57,6 +100,7 @@ class RayMember(TokenizerView):
         self.context_window = int(info["context_window"])
         self.n_params = int(info["n_params"])
         self.dtype = info["dtype"]  # the actor's torch dtype, as a string
+        self.backend = info.get("backend", "transformers")  # what runs the model on the actor
         self.actor_device = info["device"]
         self.kv_per_token = info.get("kv_per_token")  # KV bytes per token of context, on the actor
         self.free_bytes = int(info.get("free_bytes") or 0)  # free where its KV lives, once loaded
@@ -68,6 +112,7 @@ class RayMember(TokenizerView):
         self.bytes_moved = 0
         self.round_trips = 0  # waits for an answer (calls that need none are queued without waiting)
         self._known = (0, 0.0, 0)  # the actor's counters when last read
+        self.executor = RayExecutor(self)  # its calls in the engine's steps: one actor call a step
 
     def __repr__(self) -> str:
         return f"RayMember({self.name!r}, actor device={self.actor_device}, dtype={self.dtype})"
@@ -117,9 +162,7 @@ class RayMember(TokenizerView):
     def _forward(self, op: str, *args):
         """A call that runs a forward pass: the request's guard (deadline, cancellation) first; the
         actor counts its forwards for the request."""
-        check = current_guard()
-        if check is not None:
-            check()
+        check_request()
         return self._submit(op, *args)
 
     def _get_raw(self, ref, check, count: bool = True) -> Any:
@@ -138,7 +181,7 @@ class RayMember(TokenizerView):
     def _get(self, ref, count: bool = True) -> Any:
         ray = _ray()
         try:
-            return self._get_raw(ref, current_guard(), count)
+            return self._get_raw(ref, current_check(), count)
         except ray.exceptions.RayActorError as exc:
             raise GenerationError(
                 f"member {self.name!r} (Ray actor) died during the request: {type(exc).__name__}; Ray restarts it "
@@ -165,7 +208,7 @@ class RayMember(TokenizerView):
         """`op`'s answer once the actor is up: while Ray restarts it (after a crash) calls are
         refused with ActorUnavailableError; wait for it, checking the request's deadline."""
         ray = _ray()
-        check = current_guard()
+        check = current_check()
         while True:
             try:
                 return self._get_raw(self._submit(op, *args, count=False), check, count=False)
@@ -199,11 +242,7 @@ class RayMember(TokenizerView):
         if not ids:
             raise ValueError("extend() needs at least one token id")
         state = RemoteState(self)
-        if SCHEDULER.batching():  # with the other requests' prompts, one call (run_batch)
-            rows = SCHEDULER.prefill(self, state, ids, current_tally(), guard=current_guard())
-        else:
-            rows = RemoteRows(self, 1)
-            self._forward("prefill", state.handle.id, rows.handle.id, ids)
+        rows = run_call(Prefill(self, state, ids=ids))  # with the other requests' prompts, one call (run_batch)
         state.ids, state.next_row = ids, rows[0]
         return state
 
@@ -212,11 +251,7 @@ class RayMember(TokenizerView):
         if not ids:
             raise ValueError("extend() needs at least one token id")
         state.scored = None
-        if state.ids and SCHEDULER.batching():  # in the next step, with the other requests' extends
-            rows = SCHEDULER.extend(self, state, ids, current_tally(), bool(last_only), guard=current_guard())
-        else:
-            rows = RemoteRows(self, 1 if last_only else len(ids))
-            self._forward("extend", state.handle.id, rows.handle.id, ids, bool(last_only))
+        rows = run_call(Extend(self, state, tokens=ids, last_only=bool(last_only)))  # with the others' extends
         state.ids.extend(ids)
         state.next_row = rows[-1]
         return rows
@@ -259,11 +294,7 @@ class RayMember(TokenizerView):
         if not cands or any(len(c) == 0 for c in cands):
             raise ValueError("score_inline needs non-empty candidates")
         self.ensure_next(state)
-        if SCHEDULER.batching():  # in the next step, with the other requests' extends
-            opts = (bool(raw_logits), bool(keep))
-            part = SCHEDULER.score(self, state, cands, current_tally(), guard=current_guard(), opts=opts)
-        else:
-            part = Pending(self, self._forward("score_inline", state.handle.id, cands, bool(raw_logits), bool(keep)))
+        part = run_call(Score(self, state, cands=cands, opts=(bool(raw_logits), bool(keep))))  # with the others'
         out = part.get()
         state.scored = cands if keep else None
         return [torch.tensor(x) for x in out]
@@ -287,18 +318,16 @@ class RayMember(TokenizerView):
         ids, positions = [int(i) for i in ids], [int(p) for p in positions]
         if not ids:
             raise ValueError("score_prompt() needs at least one token id")
-        if SCHEDULER.batching():
-            _check_guard()
-            return SCHEDULER.prefill(self, None, ids, current_tally(), guard=current_guard(), positions=positions).get()
-        with SCHEDULER.own_forward():  # the other requests' steps do not wait for this one
-            return Pending(self, self._forward("score_prompt", ids, positions)).get()
+        part = run_call(Prefill(self, None, ids=ids, positions=positions))  # with the others' prompts
+        with outside_steps():  # the other requests' steps do not wait for its answer
+            return part.get()
 
     def forget_prompt(self, ids: Sequence[int]) -> None:
         """Drop the state `score_prompt` left on the actor for `ids` (sent, not waited for)."""
         self._submit("forget_prompt", [int(i) for i in ids], count=False)
 
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
-        with SCHEDULER.own_forward():
+        with outside_steps():
             return Pending(
                 self, self._forward("target_logprob", [int(i) for i in prompt_ids], [int(i) for i in target_ids])
             ).get()
@@ -327,14 +356,14 @@ class RayMember(TokenizerView):
             items = []
             for c, n in zip(calls, counts):
                 tag = None if n is None else n.handle.id
-                if c.cands is None:
+                if not isinstance(c, Score):
                     c.result = RemoteRows(self, 1 if c.last_only else len(c.new))
                     items.append(("extend", c.state.handle.id, c.result.handle.id, c.new, c.last_only, tag))
                 else:
                     items.append(("score", c.state.handle.id, c.cands, *c.opts, tag))
             ref = self._submit("step", items, count=False, tags=())
             for i, c in enumerate(calls):
-                if c.cands is not None:
+                if isinstance(c, Score):
                     c.result = _Part(self, ref, i)
         elif kind == "tree" and all(c.tree[0] == "bytelm" for c in calls):  # smc: requests' byte LMs
             # each request's forwards are counted on the actor, for those whose contexts needed one

@@ -1,0 +1,504 @@
+"""A member on llama.cpp: the `TokenLM` protocol over llama-cpp-python (llama_cpp.py), at the GGUF
+file's own quantization.
+
+Tokenization stays the transformers tokenizer read from the GGUF (`TokenizerView`), so the ids,
+byte offsets, chat templates, byte vocabularies and llguidance grammars are exactly what the
+methods see on transformers; at load, llama.cpp's own tokenization of a sample is checked against
+it (`check_tokenizer`), and a mismatch is refused.
+
+A state is one sequence of the member's context (`LlamaState.seq`): prefill and extend decode it,
+crop is `seq_rm`, specfuse's candidates are forks of it (`seq_cp`: the new sequence shares the
+state's cells, nothing is copied) and keeping one makes that fork the state; smc's tree nodes are
+forks too (`LlamaByteLM`); a prompt that begins like a stored one starts as a fork of it
+(prefix.py's entries hold a sequence each).
+
+Every call of one step, whatever its kind and request, is one `llama_decode` (`LlamaExecutor`):
+each call's tokens at its own positions in its own sequence, logits only where a call reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from .bytelm import Beam, ByteLM, Context, Hyp
+from .context import check_request, current_tally
+from .llama_cpp import KVFull, LlamaRunner, Seq
+from .member import TokenizerView
+from .prefix import PrefixCache, configured_bytes
+from .scheduler import outside_steps, run_call
+from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
+
+_SERIAL = itertools.count(1)
+TOKENIZER_SAMPLE = (
+    "The capital of France is Paris.\nQ: What is 12 + 7?\nA: 19\n",
+    "  Déjà vu — naïve café, 東京 and 😀 emoji; tabs\tand  spaces.",
+    "def f(x):\n    return {'a': [1, 2.5, None]}  # code",
+)
+
+
+@dataclass(eq=False)
+class LlamaState:
+    """A sequence of the member's context over `ids`; `next_logprobs` is log p(. | ids) when known."""
+
+    ids: list[int] = field(default_factory=list)
+    seq: Seq | None = None
+    next_logprobs: torch.Tensor | None = None  # [V] float32
+    next_logits: torch.Tensor | None = None  # [V] the raw logits behind next_logprobs
+    scored: Any = None  # candidates of a score_inline(keep=True) still held (see keep_candidate)
+    forks: list[Seq] | None = None  # the candidates' sequences, until one is kept or they are dropped
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (llama.cpp's threads default to them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+class LlamaMember(TokenizerView):
+    """A GGUF model on llama.cpp with its transformers tokenizer (see the module)."""
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        tokenizer,
+        *,
+        n_ctx: int,
+        kv_per_token: int | None,
+        device: torch.device,
+        n_threads: int | None = None,
+        source: str = "",
+    ) -> None:
+        gpu = device.type == "cuda"
+        self.runner = LlamaRunner(path, n_ctx, n_threads or cpu_cores(), -1 if gpu else 0)
+        # the file's EOS (what transformers' generation config reads from it), not every end-of-generation
+        # token llama.cpp knows: the methods end where they end on transformers
+        eos = self.runner.lib.llama_vocab_eos(self.runner.vocab)
+        self._init_tokens(name, tokenizer, self.runner.n_vocab, [eos] if eos >= 0 else [], source)
+        self.path, self.device, self.dtype = path, device, torch.float32  # logits come back as float32
+        self.backend = "llama.cpp"
+        self.context_window = self.runner.n_ctx_train
+        self.n_params = int(self.runner.lib.llama_model_n_params(self.runner.model))
+        self.kv_per_token = kv_per_token  # f16 keys and values, every layer
+        # the KV budget counts this member's cells apart (its own context, never padded to other
+        # rows), and no more than the context holds
+        self.kv_device = f"llama.cpp:{name}#{next(_SERIAL)}"
+        self.kv_padded = False
+        self.kv_capacity = self.runner.n_ctx * kv_per_token if kv_per_token else None
+        self.n_forward = 0
+        self.n_prefill = 0
+        self.forward_time = 0.0
+        self.prefixes = PrefixCache(configured_bytes())  # stored prompts: a sequence each
+        self._lock = threading.RLock()  # one decode at a time; sequences change under it
+        self.executor = LlamaExecutor(self)
+
+    def __repr__(self) -> str:
+        return f"LlamaMember({self.name!r}, {os.path.basename(self.path)}, n_ctx={self.runner.n_ctx})"
+
+    def close(self) -> None:
+        """Free the context and the model (the member is unusable after)."""
+        with self._lock:
+            self.prefixes.clear()
+            self.runner.close()
+
+    # ---- accounting ----------------------------------------------------------------------
+    def counters(self) -> tuple[int, float, int, int, int]:
+        """As `Member.counters`: the calling request's figures inside one, else the totals."""
+        tally = current_tally()
+        if tally is not None:
+            return (*tally.of(self), 0, 0)
+        return self.n_forward, self.forward_time, self.n_prefill, 0, 0
+
+    def prompt_reused(self) -> int:
+        tally = current_tally()
+        return 0 if tally is None else tally.reused.get(id(self), 0)
+
+    def _count_prefill(self) -> None:
+        self.n_prefill += 1
+        tally = current_tally()
+        if tally is not None:
+            tally.add(self, 0, 0.0, 1)
+
+    # ---- the state API -------------------------------------------------------------------
+    def new_state(self) -> LlamaState:
+        return LlamaState()
+
+    def prefill(self, ids: Sequence[int]) -> LlamaState:
+        ready = self._ready_slot(take=True)
+        if ready is not None and ready.ids == [int(i) for i in ids]:
+            return ready
+        self._count_prefill()
+        state = self.new_state()
+        self.extend(state, ids, last_only=True)
+        return state
+
+    def extend(self, state: LlamaState, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        if not ids:
+            raise ValueError("extend() needs at least one token id")
+        ids = [int(i) for i in ids]
+        self.drop_candidates(state)
+        if len(ids) > 1 and last_only and not state.ids:  # a prompt
+            return run_call(Prefill(self, state, ids=ids))
+        return run_call(Extend(self, state, tokens=ids, last_only=last_only))
+
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
+        """As `Member.score_prompt`: log p(ids[p] | ids[:p]) from the prompt's prefill, whose state
+        is kept for the next `prefill` of the same ids."""
+        if not ids:
+            raise ValueError("score_prompt() needs at least one token id")
+        self._ready_slot(take=True)
+        self._count_prefill()
+        state = self.new_state()
+        scores = run_call(Prefill(self, state, ids=[int(i) for i in ids], positions=[int(p) for p in positions]))
+        self._ready_slot(state)
+        return scores
+
+    def forget_prompt(self, ids: Sequence[int]) -> None:
+        ready = self._ready_slot(take=True)
+        if ready is not None and ready.ids != [int(i) for i in ids]:
+            self._ready_slot(ready)
+
+    def crop(self, state: LlamaState, n: int) -> None:
+        self.drop_candidates(state)
+        if not 0 <= n <= len(state.ids):
+            raise ValueError(f"crop({n}) out of range for a state of {len(state.ids)} tokens")
+        if n == len(state.ids):
+            return
+        with self._lock:
+            if n == 0:
+                state.seq = None  # its id goes back to the pool
+            elif state.seq is not None:
+                self.runner.seq_rm(state.seq.id, n, -1)
+        del state.ids[n:]
+        state.next_logprobs = state.next_logits = None
+
+    @contextlib.contextmanager
+    def scratch(self, state: LlamaState):
+        base = len(state.ids)
+        self.ensure_next(state)
+        saved = (state.next_logprobs, state.next_logits)
+        try:
+            yield state
+        finally:
+            self.crop(state, base)
+            state.next_logprobs, state.next_logits = saved
+
+    def ensure_next(self, state: LlamaState) -> torch.Tensor:
+        if state.next_logprobs is None:
+            last = state.ids[-1]
+            self.crop(state, len(state.ids) - 1)
+            self.extend(state, [last])
+        return state.next_logprobs
+
+    # ---- specfuse's candidates -------------------------------------------------------------
+    def score_inline(
+        self, state: LlamaState, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
+    ) -> list[torch.Tensor]:
+        """As `Member.score_inline`: every candidate in a fork of the state, all in one decode."""
+        if not candidates or any(len(c) == 0 for c in candidates):
+            raise ValueError("score_inline needs non-empty candidates")
+        self.drop_candidates(state)
+        self.ensure_next(state)
+        cands = [[int(t) for t in c] for c in candidates]
+        logits = run_call(Score(self, state, cands=cands))
+        return self.scored(state, cands, logits, raw_logits, keep)
+
+    def scored(
+        self, state: LlamaState, cands: list[list[int]], logits: torch.Tensor, raw_logits: bool, keep: bool
+    ) -> list[torch.Tensor]:
+        """score_inline's answer from its decode's `logits` [total, V] (as `Member.scored`); the
+        candidates' forks stay for keep_candidate when `keep`."""
+        starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
+        after = logits[[s + len(c) - 1 for s, c in zip(starts, cands)]]
+        state.scored = (starts, cands, after)
+        first = state.next_logits if raw_logits else state.next_logprobs
+        out = []
+        for s, c in zip(starts, cands):
+            rows = logits[s : s + len(c) - 1]
+            got = rows.gather(1, torch.tensor(c[1:], dtype=torch.long)[:, None])[:, 0]
+            if not raw_logits:
+                got = got - torch.logsumexp(rows, dim=-1)
+            out.append(torch.cat([first[c[0]].reshape(1).float(), got]))
+        if not keep:
+            self.drop_candidates(state)
+        return out
+
+    def keep_candidate(self, state: LlamaState, index: int) -> None:
+        """The state becomes its candidate `index`'s fork (context + candidate), the others dropped."""
+        starts, cands, after = state.scored
+        with self._lock:
+            state.seq = state.forks[index]
+            state.forks = None
+        state.ids.extend(cands[index])
+        state.next_logits = after[index]
+        state.next_logprobs = torch.log_softmax(state.next_logits, dim=-1)
+        state.scored = None
+
+    def drop_candidates(self, state: LlamaState) -> None:
+        if state.scored is not None or state.forks is not None:
+            with self._lock:
+                state.forks = None  # their ids go back to the pool
+            state.scored = None
+
+    # ---- whole prompts -----------------------------------------------------------------------
+    def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
+        """log p(target | prompt) in one decode of a sequence of its own."""
+        prompt, tgt = [int(i) for i in prompt_ids], [int(i) for i in target_ids]
+        ids = prompt + tgt
+        check_request()
+        with outside_steps(), self._lock:
+            seq = self.runner.seqs.take()
+            wants = [len(prompt) - 1 <= p < len(ids) - 1 for p in range(len(ids))]
+            t0 = time.perf_counter()
+            rows = self.executor.decode(ids, list(range(len(ids))), [seq.id] * len(ids), wants)
+            self._counted([current_tally()], time.perf_counter() - t0)
+        logp = torch.log_softmax(torch.from_numpy(rows), dim=-1)
+        return float(logp.gather(1, torch.tensor(tgt)[:, None]).sum())
+
+    def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False):
+        return LlamaByteLM(self, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
+
+    def kv_tensor(self, state: LlamaState) -> torch.Tensor:
+        raise NotImplementedError("a llama.cpp member's KV stays in llama.cpp; smc asks for byte_lm()")
+
+    def forward_rows(self, prefix_kv, paths, tokens):
+        raise NotImplementedError("a llama.cpp member runs smc's trees as forks; smc asks for byte_lm()")
+
+    def _counted(self, tallies: Sequence, seconds: float) -> None:
+        """One decode: the member's totals, and once for each request that took part."""
+        self.n_forward += 1
+        self.forward_time += seconds
+        for tally in {id(t): t for t in tallies if t is not None}.values():
+            tally.add(self, 1, seconds)
+
+
+class LlamaExecutor:
+    """A llama.cpp member's executor (steps.Executor): every call of a step, of any kind and any
+    request, in one `llama_decode` (see the module)."""
+
+    apart = False
+
+    def __init__(self, member: LlamaMember) -> None:
+        self.member = member
+
+    def group(self, call: StepCall) -> tuple:
+        return (id(self.member),)
+
+    def batchable(self, call: StepCall) -> bool:
+        return True
+
+    def run_alone(self, call: StepCall, config: BatchingConfig) -> Any:
+        self.run([call], config)
+        return call.result
+
+    def recover(self, call: StepCall) -> None:
+        """After a failed step: the call's sequence holds exactly its state's tokens, no forks."""
+        state = call.state
+        with self.member._lock:
+            if state is not None:
+                state.forks, state.scored = None, None
+                if state.seq is not None:
+                    self.member.runner.seq_rm(state.seq.id, len(state.ids), -1)
+
+    def run(self, calls: Sequence[StepCall], config: BatchingConfig) -> None:
+        m = self.member
+        with m._lock:
+            plans = [self._plan(c) for c in calls]
+            tokens = [t for p in plans for t in p[0]]
+            positions = [x for p in plans for x in p[1]]
+            seqs = [s for p in plans for s in p[2]]
+            wants = [w for p in plans for w in p[3]]
+            t0 = time.perf_counter()
+            rows = torch.from_numpy(self.decode(tokens, positions, seqs, wants))
+            m._counted([c.tally for c in calls], time.perf_counter() - t0)
+            at = 0
+            for p in plans:
+                n = sum(p[3])
+                p[4](rows[at : at + n])
+                at += n
+
+    def decode(self, tokens, positions, seqs, wants) -> np.ndarray:
+        """The runner's decode; when the cache is full, the stored prompts go and it runs again."""
+        runner = self.member.runner
+        try:
+            return runner.decode(tokens, positions, seqs, wants)
+        except KVFull:
+            if not len(self.member.prefixes):
+                raise
+            self.member.prefixes.clear()
+            return runner.decode(tokens, positions, seqs, wants)
+
+    def _plan(self, call: StepCall) -> tuple:
+        """(tokens, positions, sequence ids, wants logits, finish(rows)) of one call."""
+        if isinstance(call, Prefill):
+            return self._prompt(call)
+        if isinstance(call, Extend):
+            return self._extend(call)
+        if isinstance(call, Score):
+            return self._score(call)
+        if isinstance(call, Tree):
+            return self._tree(call)
+        raise TypeError(f"a llama.cpp member does not run {type(call).__name__} calls")
+
+    def _seq(self, state: LlamaState) -> Seq:
+        if state.seq is None:
+            state.seq = self.member.runner.seqs.take()
+        return state.seq
+
+    def _extend(self, call: Extend) -> tuple:
+        state, toks = call.state, call.tokens
+        p0, sid = len(state.ids), self._seq(state).id
+        wants = [not call.last_only or i == len(toks) - 1 for i in range(len(toks))]
+
+        def finish(rows: torch.Tensor) -> None:
+            state.ids.extend(toks)
+            state.next_logits = rows[-1]
+            logp = torch.log_softmax(rows, dim=-1)
+            state.next_logprobs = logp[-1]
+            call.result = logp
+
+        return toks, list(range(p0, p0 + len(toks))), [sid] * len(toks), wants, finish
+
+    def _score(self, call: Score) -> tuple:
+        """Each candidate in a fork of the state (sharing its cells), every candidate token's logits."""
+        m, state = self.member, call.state
+        p, sid = len(state.ids), self._seq(state).id
+        forks = []
+        tokens, positions, seqs = [], [], []
+        for cand in call.cands:
+            fork = m.runner.seqs.take()
+            m.runner.seq_cp(sid, fork.id, -1, -1)
+            forks.append(fork)
+            tokens += cand
+            positions += list(range(p, p + len(cand)))
+            seqs += [fork.id] * len(cand)
+        state.forks = forks
+
+        def finish(rows: torch.Tensor) -> None:
+            call.result = rows
+
+        return tokens, positions, seqs, [True] * len(tokens), finish
+
+    def _prompt(self, call: Prefill) -> tuple:
+        """A prompt from the longest stored beginning (a fork of the stored prompt's sequence), its
+        rest decoded with logits at the rows before the positions it scores and at its last row."""
+        m, state, ids = self.member, call.state, call.ids
+        n, entry = m.prefixes.match(ids, call.positions)
+        seq = self._seq(state)
+        if entry is not None:
+            m.runner.seq_cp(entry.kv.id, seq.id, 0, n)
+            if call.tally is not None:
+                call.tally.reused[id(m)] = call.tally.reused.get(id(m), 0) + n
+        run = [q for q in call.positions or () if q > n]
+        reads = sorted({q - 1 for q in run} | {len(ids) - 1})
+        wants = [q in set(reads) for q in range(n, len(ids))]
+
+        def finish(rows: torch.Tensor) -> None:
+            state.ids = list(ids)
+            state.next_logits = rows[-1]
+            state.next_logprobs = torch.log_softmax(rows[-1], dim=-1)
+            scores = dict(entry.scores) if entry is not None else {}
+            row_of = {q: i for i, q in enumerate(reads)}
+            for q in run:
+                row = rows[row_of[q - 1]]
+                scores[q] = float(row[ids[q]] - torch.logsumexp(row, dim=-1))
+            self._store(state, scores)
+            call.result = state.next_logprobs[None] if call.positions is None else [scores[q] for q in call.positions]
+
+        return ids[n:], list(range(n, len(ids))), [seq.id] * (len(ids) - n), wants, finish
+
+    def _store(self, state: LlamaState, scores: dict[int, float]) -> None:
+        """Keep the prompt for later prompts that begin alike: a fork of its sequence (no copy)."""
+        m = self.member
+        if m.prefixes.max_bytes <= 0 or not m.kv_per_token:
+            return
+        keep = m.runner.seqs.take()
+        m.runner.seq_cp(state.seq.id, keep.id, -1, -1)
+        m.prefixes.put(state.ids, keep, scores, size=len(state.ids) * m.kv_per_token)
+
+    def _tree(self, call: Tree) -> tuple:
+        """smc's new contexts: each a fork of its parent's sequence plus its token."""
+        prompt_len, items = call.tree
+        runner, forks = self.member.runner, []
+        tokens, positions, seqs = [], [], []
+        for parent, token, depth in items:
+            fork = runner.seqs.take()
+            runner.seq_cp(parent.id, fork.id, -1, -1)
+            forks.append(fork)
+            tokens.append(int(token))
+            positions.append(prompt_len + depth - 1)
+            seqs.append(fork.id)
+
+        def finish(rows: torch.Tensor) -> None:
+            call.result = (rows, forks)
+
+        return tokens, positions, seqs, [True] * len(tokens), finish
+
+
+class LlamaByteLM(ByteLM):
+    """smc's byte LM on a llama.cpp member: a context node's "KV" is the sequence holding the prompt
+    and its path (a fork of its parent's, sharing every cell). A node's sequence is kept while a
+    hypothesis stands on it; the others go at `compact`, so a request holds about beam_width x
+    particles sequences, however deep its trees grow."""
+
+    def start(self, prompt_ids: Sequence[int]) -> Beam:
+        state = self.member.prefill(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        root = Context(None, None, state.seq)
+        self._state = state  # its sequence is the root's
+        self._fill([root], state.next_logits[None])
+        return Beam([Hyp(root, b"", 0.0, 0.0)])
+
+    def _tree(self, todo: list[Context]) -> tuple:
+        return self.prompt_len, [(c.parent.kv, c.token, c.depth) for c in todo]
+
+    def _run_tree(self, todo: list[Context]) -> tuple:
+        return run_call(Tree(self.member, None, tree=self._tree(todo)))
+
+    def _todo(self, ctxs: list[Context]) -> list[Context]:
+        todo, seen = [], set()
+        for c in ctxs:
+            if c.cs is None and id(c) not in seen:
+                seen.add(id(c))
+                todo.append(c)
+        assert all(c.parent.kv is not None for c in todo)  # a parent's sequence is there to fork
+        return todo
+
+    def compact(self, beams: Sequence[Beam]) -> None:
+        live = {id(h.ctx) for b in beams for h in b.hyps}
+        for ref in self._filled:
+            c = ref()
+            if c is not None and id(c) not in live:
+                c.kv = None  # no hypothesis stands here: its sequence goes back to the pool
+        super().compact(beams)
+
+
+def check_tokenizer(member: LlamaMember, samples: Sequence[str] = TOKENIZER_SAMPLE) -> None:
+    """Refuse a member whose transformers tokenizer (read from the GGUF) and llama.cpp's own
+    tokenizer disagree on a sample: the methods would feed llama.cpp ids it does not expect."""
+    lib, vocab = member.runner.lib, member.runner.vocab
+    for text in samples:
+        data = text.encode("utf-8")
+        buf = (lib.llama_token * (len(data) + 8))()
+        n = lib.llama_tokenize(vocab, data, len(data), buf, len(buf), False, False)
+        theirs = list(buf[: max(n, 0)])
+        ours = member.encode(text)
+        if n < 0 or theirs != ours:
+            raise ConfigError(
+                f"{member.name}: llama.cpp tokenizes {text[:30]!r}... as {theirs[:12]} but the tokenizer read "
+                f"from the GGUF gives {ours[:12]}; give this member backend='transformers'."
+            )

@@ -1,0 +1,207 @@
+"""The engine's step scheduler: the policy that turns concurrent requests' calls into steps.
+
+Every request runs its method in a thread of its own and the methods stay as they are: sequential
+code asking a member to extend a state. A member turns each such ask into a typed call (steps.py)
+and hands it to `run_call`. Outside a request, or while the request runs alone, the call runs at
+once in a forward of its own. While other requests run, it waits here for the next step. A step
+runs when every running request is waiting in one (iteration-level scheduling, as in Orca; a
+request inside a forward of its own, such as the prompt scoring of per-request weights, is not
+waited for, and one still doing Python work is waited for up to `gather_s`).
+
+Which calls a step takes (`take`): every group that holds a prompt (new requests start at once), a
+member that computes apart (a Ray actor) always, and of the rest the largest group, the others
+waiting for later steps (at most `max_defer`) so that the requests fall into phase. A group is
+what its member's executor runs in one step (`Executor.group`: transformers, one member and kind;
+llama.cpp, every call of one member in one `llama_decode`). The scheduler never touches a
+tensor: the executors do (rowgroups.py, llama.py, ray/member.py).
+
+A step whose group raises reruns that group's calls one by one, so that one bad call fails only
+its own request.
+
+The engine owns one scheduler (two engines in one process share none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+from .context import RequestContext, current_request
+from .steps import BatchingConfig, StepCall
+
+DEFAULT_CONFIG = BatchingConfig()
+
+
+def run_call(call: StepCall) -> Any:
+    """Run a member's call for the current request (see the module) and return its result."""
+    ctx = current_request()
+    sched = None if ctx is None else ctx.scheduler
+    executor = call.member.executor
+    if ctx is not None:
+        call.tally = ctx.tally
+        ctx.run_check()
+    if sched is not None and sched.batching(ctx) and executor.batchable(call):
+        call.guard = ctx.check
+        return sched.wait(call)
+    with outside_steps():
+        return executor.run_alone(call, DEFAULT_CONFIG if sched is None else sched.config)
+
+
+@contextlib.contextmanager
+def outside_steps():
+    """The block runs a forward (or waits) outside the steps: the steps do not wait for it."""
+    ctx = current_request()
+    if ctx is None or ctx.scheduler is None:
+        yield
+        return
+    with ctx.scheduler.own_forward(ctx):
+        yield
+
+
+class StepScheduler:
+    """Gathers the calls of concurrent requests into steps (see the module)."""
+
+    def __init__(self, config: BatchingConfig | None = None) -> None:
+        self.config = config or BatchingConfig()
+        self._cond = threading.Condition()
+        self._active = 0  # requests and their parts running here (registered by `request`)
+        self._requests = 0  # of those, the requests themselves (not their parts)
+        self._busy = 0  # of those, inside a forward of their own (a prefill, a scoring): not waited for
+        self._joined: set[int] = set()  # id() of the contexts inside `request`
+        self._pending: list[StepCall] = []
+        self._stepping = False
+        self._stepped = 0.0  # when the last step ended: everyone gets a gather period after it
+        self.steps = 0  # steps run (figures for benches and tests)
+
+    @property
+    def idle(self) -> bool:
+        """No request is registered and no call waits."""
+        with self._cond:
+            return self._active == 0 and not self._pending
+
+    @contextlib.contextmanager
+    def request(self, ctx: RequestContext):
+        """`ctx` runs one request (or, `ctx.part`, a part of one): its calls may be batched."""
+        with self._cond:
+            self._active += 1
+            self._requests += not ctx.part
+            self._joined.add(id(ctx))
+        try:
+            yield ctx
+        finally:
+            with self._cond:
+                self._joined.discard(id(ctx))
+                self._active -= 1
+                self._requests -= not ctx.part
+                self._cond.notify_all()  # the others may all be waiting now
+
+    @contextlib.contextmanager
+    def own_forward(self, ctx: RequestContext):
+        """`ctx` runs a forward outside the steps: while it does, the steps do not wait for it."""
+        if id(ctx) not in self._joined:
+            yield
+            return
+        with self._cond:
+            self._busy += 1
+            self._cond.notify_all()  # the others may all be waiting now
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+
+    def joined(self, ctx: RequestContext | None) -> bool:
+        return ctx is not None and id(ctx) in self._joined
+
+    def batching(self, ctx: RequestContext | None) -> bool:
+        """Whether a call of `ctx` should wait for a step: it runs a request (or a part of one)
+        here, and another request runs too."""
+        return self.joined(ctx) and self._requests > 1
+
+    def wait(self, call: StepCall) -> Any:
+        """Queue `call` for the next step that takes it; this thread may run that step."""
+        check = call.guard
+        with self._cond:
+            self._pending.append(call)
+            self._cond.notify_all()
+            while not call.done:
+                if check is not None and call in self._pending:  # not taken by a step yet: a request
+                    try:  # cancelled or past its deadline while passed over leaves the queue at once
+                        check()
+                    except BaseException:
+                        self._pending.remove(call)
+                        self._cond.notify_all()
+                        raise
+                # every running request waits in a step (or this call has waited a gather period:
+                # a request still prefilling or scoring is not waited for longer): this thread steps
+                late = time.monotonic() - max(call.since, self._stepped) >= self.config.gather_s
+                if not self._stepping and (len(self._pending) >= self._active - self._busy or late):
+                    self._step()
+                else:
+                    self._cond.wait(self.config.gather_s)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def take(self) -> list[list[StepCall]]:
+        """The groups the next step runs (see the module). Running every group each step would keep
+        requests out of phase for good: in unite, half the requests waiting on one member and half
+        on the other make two half-full forwards per step, forever. Passing the smaller group over
+        once lets its requests fall in behind the others, and from then on each forward has every
+        row. specfuse and safe spend several steps on one member (a draft, a segment): their
+        smaller group may wait up to `max_defer` steps for the others to come over."""
+        groups: dict[tuple, list[StepCall]] = {}
+        for c in self._pending:
+            groups.setdefault(c.member.executor.group(c), []).append(c)
+        best = max(groups.values(), key=lambda g: (len(g), -min(c.since for c in g)))
+        taken = [
+            g
+            for g in groups.values()
+            if g is best
+            or any(c.kind == "prefill" for c in g)
+            or g[0].member.executor.apart  # its own actor: no other group waits for it
+            or any(c.deferred >= self.config.max_defer for c in g)
+        ]
+        ids = {id(c) for g in taken for c in g}
+        self._pending = [c for c in self._pending if id(c) not in ids]
+        for c in self._pending:
+            c.deferred += 1
+        return taken
+
+    def _step(self) -> None:
+        """Run the groups `take` chooses (called with the lock held; released during the forwards)."""
+        groups, self._stepping = self.take(), True
+        self._cond.release()
+        try:
+            for group in groups:
+                self._run_group(group)
+        finally:
+            self._cond.acquire()
+            for g in groups:
+                for c in g:
+                    c.done = True
+            self._stepping, self._stepped = False, time.monotonic()
+            self.steps += 1
+            self._cond.notify_all()
+
+    def _run_group(self, group: list[StepCall]) -> None:
+        """One group's step; when it raises, its unanswered calls run one by one, so each request
+        gets its own outcome (the failing one its error, the others their results)."""
+        executor = group[0].member.executor
+        try:
+            executor.run(group, self.config)
+            return
+        except BaseException as exc:  # noqa: BLE001 - each waiting request raises its own in its thread
+            if len(group) == 1:
+                group[0].error = exc
+                return
+        for c in group:
+            if c.result is not None:
+                continue
+            try:
+                executor.recover(c)
+                executor.run([c], self.config)
+            except BaseException as exc:  # noqa: BLE001 - this request's own failure
+                c.error = exc

@@ -1,0 +1,250 @@
+"""Members on llama.cpp (members/llama.py) on the real bundled GGUF files: a batched step, forks,
+crops, candidates and trees give what the same calls give one at a time in a second context of
+the same file (llama.cpp's results depend on where a sequence's cells sit, so each reference
+replays the same calls in the same order: the cells land where they landed); the tokenizer check;
+sizing; every method, a mixed pair, two engines apart."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import GEMMA, SMOL, TINY_METHODS
+
+from ensemble_llm import Ensemble
+from ensemble_llm.errors import ConfigError, KVBudgetError
+from ensemble_llm.members import load_member, member_options
+from ensemble_llm.members.llama import LlamaByteLM, LlamaMember, check_tokenizer
+from ensemble_llm.members.loader import gguf_file, gguf_tokenizer, resolve_backend, resolve_source
+from ensemble_llm.members.options import MemberOptions
+from ensemble_llm.members.plan import gguf_params_and_config, kv_bytes_per_token
+from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill, Score
+
+pytest.importorskip("llama_cpp")
+CONFIG = BatchingConfig()
+PROMPTS = ["The capital of France is", "Write a haiku about rain and the sea, please.", "2+2="]
+
+
+def fresh(name: str, tokenizer=None) -> LlamaMember:
+    """A llama.cpp member of a bundled model with a context of its own (not the process's cached one)."""
+    src = resolve_source(name)
+    path = gguf_file(src, progress=False)
+    _, cfg = gguf_params_and_config(path)
+    m = LlamaMember(
+        name,
+        str(path),
+        tokenizer or gguf_tokenizer(src, path),
+        n_ctx=4096,
+        kv_per_token=kv_bytes_per_token(cfg, torch.float16),
+        device=torch.device("cpu"),
+    )
+    m.prefixes.max_bytes = 0  # a stored prompt's fork adds no cells, but keep the two contexts' histories alike
+    return m
+
+
+def batch_invariant(m: LlamaMember) -> bool:
+    """Whether llama.cpp gives this file's tokens the same logits decoded 6 at once as one by one
+    (its kernels for a batch of rows depend on the batch size for some weight types: Gemma-3's)."""
+    a, b = m.new_state(), m.new_state()
+    p = m.prompt_ids(PROMPTS[0])
+    m.extend(a, p, last_only=True)
+    m.extend(b, p, last_only=True)
+    together = m.extend(a, list(range(600, 606)))
+    alone = torch.cat([m.extend(b, [t]) for t in range(600, 606)])
+    return bool((together - alone).abs().max() == 0)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    """Within 1e-4, or (llama.cpp's batch-size-dependent kernels) within 0.5 nat at the top tokens."""
+    if exact:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    else:
+        assert (got - want).abs().max() < 0.5
+
+
+@pytest.fixture(scope="module", params=[SMOL, GEMMA])
+def pair(request):
+    """Two contexts of one model: the one under test and the one that replays its calls one by one."""
+    return fresh(request.param), fresh(request.param)
+
+
+def test_a_batched_step_gives_each_call_what_it_gets_alone(pair):
+    """Three requests' one-token extends in one llama_decode, step after step: each call's
+    log-probs are those of the same calls one at a time (0 apart). A step that also carries a
+    3-token extend gives it its own decode's rows up to llama.cpp's kernels, which depend on the
+    batch's size (Gemma-3's Q4_K/Q6_K weights: 8 tokens of one sequence at once against one by one
+    0.52 nat apart; SmolLM2's Q4_1: 0): the same top tokens."""
+    a, b = pair
+    ids = [a.prompt_ids(t) for t in PROMPTS]
+    sa, sb = [a.prefill(p) for p in ids], [b.prefill(p) for p in ids]
+    decodes = a.runner.decodes
+    for k in range(8):
+        mixed = k == 7
+        plan = [[100 + k], [7, 8, 9] if mixed else [9 + k], [300 + k]]
+        calls = [Extend(a, s, tokens=t) for s, t in zip(sa, plan)]
+        a.executor.run(calls, CONFIG)
+        for s, t, c in zip(sb, plan, calls):
+            want = b.extend(s, t)
+            assert c.result.shape == want.shape
+            if not mixed:
+                torch.testing.assert_close(c.result, want, atol=1e-4, rtol=0)
+                continue
+            top = torch.topk(want, 2, dim=-1).indices
+            assert torch.equal(torch.topk(c.result, 2, dim=-1).indices[:, 0], top[:, 0])
+    assert a.runner.decodes - decodes == 8  # one decode per step
+    assert [s.ids for s in sa] == [s.ids for s in sb]
+
+
+def test_prompts_decoded_together_give_their_own_prefills(pair):
+    """Three prompts in one llama_decode, each at its own positions in its own sequence: the
+    state's next row is its prompt's own prefill's (Gemma-3: up to llama.cpp's kernels for a batch
+    of 30 tokens rather than 10, measured 0.72 nat apart at most; the same top token)."""
+    a, b = pair
+    exact = batch_invariant(fresh(a.name))
+    ids = [a.prompt_ids(t) for t in PROMPTS]
+    states = [a.new_state() for _ in ids]
+    calls = [Prefill(a, s, ids=p) for s, p in zip(states, ids)]
+    a.executor.run(calls, CONFIG)
+    for s, p, c in zip(states, ids, calls):
+        alone = b.prefill(p)
+        assert s.ids == p and c.result.shape == (1, a.vocab_size)
+        top = torch.topk(alone.next_logprobs, 5).indices
+        assert torch.equal(torch.topk(s.next_logprobs, 5).indices[:1], top[:1])
+        close(s.next_logprobs[top], alone.next_logprobs[top], exact)
+
+
+def test_forks_candidates_and_crops_match_their_one_by_one_decodes(pair):
+    """specfuse's candidates are forks of the state decoded in one llama_decode: each candidate's
+    token log-probs are those of the same forks decoded one after another; keeping one makes its
+    fork the state (what follows matches extending the reference by it); a crop gives what never
+    extending gives."""
+    a, b = pair
+    exact = batch_invariant(fresh(a.name))
+    p = a.prompt_ids(PROMPTS[0])
+    sa, sb = a.prefill(p), b.prefill(p)
+    cands = [[11, 12, 13], [14, 15], [16]]
+    got = a.score_inline(sa, cands, keep=True)
+    refs = []
+    for c in cands:  # one fork at a time, each kept while the next runs: the cells land as in one decode
+        call = Score(b, sb, cands=[c])
+        b.executor.run([call], CONFIG)
+        refs.append((call.result, sb.forks))
+        rows = torch.cat([sb.next_logprobs[None], torch.log_softmax(call.result[:-1], dim=-1)])
+        want = rows.gather(1, torch.tensor(c)[:, None])[:, 0]
+        close(got[len(refs) - 1], want, exact)
+    a.keep_candidate(sa, 1)
+    assert sa.ids == p + cands[1] and sa.forks is None
+    after = torch.log_softmax(refs[1][0][-1], dim=-1)
+    close(sa.next_logprobs[torch.topk(after, 10).indices], after[torch.topk(after, 10).indices], exact)
+    # a crop: extend three, roll back, extend one = extend that one
+    x, y = a.prefill(a.prompt_ids(PROMPTS[1])), b.prefill(b.prompt_ids(PROMPTS[1]))
+    n = len(x.ids)
+    a.extend(x, [5, 6, 7])
+    a.crop(x, n)
+    assert x.next_logprobs is None and len(x.ids) == n
+    torch.testing.assert_close(a.extend(x, [9]), b.extend(y, [9]), atol=1e-4, rtol=0)
+    with a.scratch(x):  # a scratch extension leaves the state as it was, its next row untouched
+        before = x.next_logprobs.clone()
+        a.extend(x, [1, 2])
+    assert x.ids == y.ids and torch.equal(x.next_logprobs, before)
+
+
+def test_trees_of_two_requests_in_one_decode_match_each_alone(pair):
+    """smc's byte LMs of two requests: their new contexts (forks of their parents' sequences) in one
+    llama_decode give each byte LM the distributions it gets stepping alone, and compacting gives
+    the sequences of the nodes no hypothesis stands on back."""
+    from ensemble_llm.members.bytelm import next_logprobs_many
+
+    a, b = pair
+    exact = batch_invariant(fresh(a.name))
+    lms_a = [LlamaByteLM(a, 3, 0.0, 1.0) for _ in range(2)]
+    lms_b = [LlamaByteLM(b, 3, 0.0, 1.0) for _ in range(2)]
+    texts = ["The capital of France is", "Name a colour:"]
+    beams_a = [lm.start(a.prompt_ids(t)) for lm, t in zip(lms_a, texts)]
+    beams_b = [lm.start(b.prompt_ids(t)) for lm, t in zip(lms_b, texts)]
+    for step in b" Paris":
+        outs = next_logprobs_many([(lm, [bm]) for lm, bm in zip(lms_a, beams_a)])
+        for lm, bm, out in zip(lms_b, beams_b, outs):
+            want = torch.as_tensor(lm.next_logprobs([bm]))
+            top = torch.topk(want[0], 5).indices
+            close(torch.as_tensor(out)[0, top], want[0, top], exact)
+        beams_a = [lm.advance(bm, step) for lm, bm in zip(lms_a, beams_a)]
+        beams_b = [lm.advance(bm, step) for lm, bm in zip(lms_b, beams_b)]
+        for lm, bm in zip(lms_a + lms_b, beams_a + beams_b):
+            lm.compact([bm])
+    assert a.runner.seqs.in_use < 40  # compact gives the nodes' sequences back
+
+
+def test_the_tokenizer_check_refuses_a_mismatch(tokenizers):
+    """A llama.cpp member whose transformers tokenizer is not its file's is refused by name."""
+    with pytest.raises(ConfigError, match="tokenizes"):
+        check_tokenizer(fresh(SMOL, tokenizer=tokenizers[GEMMA]))
+    check_tokenizer(fresh(SMOL))  # its own passes
+
+
+def test_backend_choice_and_its_errors(tiny_dirs):
+    assert resolve_backend(resolve_source(SMOL), MemberOptions()) == "llama.cpp"
+    assert resolve_backend(resolve_source(SMOL), MemberOptions(backend="transformers")) == "transformers"
+    assert resolve_backend(resolve_source(tiny_dirs["smol"]), MemberOptions()) == "transformers"
+    with pytest.raises(ConfigError, match="runs GGUF files"):
+        resolve_backend(resolve_source(tiny_dirs["smol"]), MemberOptions(backend="llama.cpp"))
+    with pytest.raises(ConfigError, match="own quantization"):
+        resolve_backend(resolve_source(SMOL), MemberOptions(backend="llama.cpp", quantization="int8"))
+    with pytest.raises(ConfigError, match="backend="):
+        member_options({"backend": "vllm"}, "m")
+    m = load_member(SMOL, progress=False)
+    assert isinstance(m, LlamaMember) and m.runner.n_ctx == 8 * 2048
+
+
+def test_a_request_that_cannot_fit_the_context_is_refused_and_the_engine_answers():
+    eng = Ensemble([SMOL], max_batch=1).load()  # a context of 2048 cells
+    with pytest.raises(KVBudgetError, match="kv_budget"):
+        eng.generate("Hello " * 1200, max_new_tokens=1500, raw=True)
+    assert eng.generate("Hello", max_new_tokens=4).text
+
+
+@pytest.mark.parametrize("method,config", TINY_METHODS, ids=[m for m, _ in TINY_METHODS])
+def test_every_method_on_the_llama_pair_and_with_a_transformers_member(method, config, tiny_dirs):
+    """Every method on the bundled pair on llama.cpp, and on a mixed pair (SmolLM2 on llama.cpp, a
+    tiny transformers Gemma with the real tokenizer): texts, usage and per-member figures."""
+    pairs = {"llama": [SMOL, GEMMA], "mixed": [SMOL, tiny_dirs["gemma"]]}
+    if method == "single":
+        pairs = {"llama": [SMOL]}
+    for kind, members in pairs.items():
+        eng = Ensemble(members, method, config, progress=False)
+        res = eng.generate("What is the capital of France?", max_new_tokens=12)
+        # (the tiny random Gemma may end the mixed pair's reply at once: then on EOS)
+        assert res.usage.completion_tokens >= 1 or (kind == "mixed" and res.finish_reason == "stop"), (kind, res)
+        forwards = {n: st["forward_passes"] for n, st in res.stats["members"].items()}
+        assert all(v > 0 for v in forwards.values()) or res.stats.get("solo"), (kind, forwards)
+        assert [type(m).__name__ for m in eng.members][0] == "LlamaMember"
+
+
+def test_concurrent_requests_on_llama_members_share_decodes(tiny_dirs):
+    """Four requests at once on the llama.cpp pair: every one answers, and each decode served
+    several of them (fewer decodes ran than the requests took part in)."""
+    eng = Ensemble([SMOL, GEMMA], "unite", {"weights": None}, max_batch=4, progress=False).load()
+    ran0 = sum(m.n_forward for m in eng.members)
+    results = eng.generate_many(PROMPTS + ["Name three rivers."], max_new_tokens=16)
+    ran = sum(m.n_forward for m in eng.members) - ran0
+    took_part = sum(st["forward_passes"] for r in results for st in r.stats["members"].values())
+    assert all(r.text for r in results) and ran < 0.75 * took_part and eng.scheduler.idle
+
+
+def test_cancelling_a_request_on_llama_members_frees_its_sequences():
+    eng = Ensemble([SMOL], max_batch=2, progress=False).load()
+    m = eng.members[0]
+    before = m.runner.seqs.in_use
+    stream = eng.stream("Tell me a long story about a cat.", max_new_tokens=200)
+    it = iter(stream)
+    next(it)
+    it.close()
+    done = threading.Event()
+    threading.Thread(target=lambda: (eng.generate("Hi", max_new_tokens=4), done.set())).start()
+    assert done.wait(60)
+    import gc
+
+    gc.collect()
+    m.runner.seqs.flush()
+    assert m.runner.seqs.in_use <= before + 2  # the stored prompts' forks at most
