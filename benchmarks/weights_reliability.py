@@ -42,6 +42,18 @@ def evidence(member, text: str) -> tuple[float | None, int]:
     return float(sum(scores)) / len(spans), len(spans)
 
 
+def candidate_score(member, prompt: str, text: str) -> tuple[float, int]:
+    """(sum log-prob, tokens) of `text`'s canonical tokens after the prompt (its KV reused)."""
+    ids = member.encode(text)
+    state = member.prefill(member.prompt_ids(prompt))
+    first = float(state.next_logprobs[ids[0]])
+    if len(ids) == 1:
+        return first, 1
+    with member.scratch(state):
+        rows = member.extend(state, ids[:-1])
+    return first + float(sum(rows[i, t] for i, t in enumerate(ids[1:]))), len(ids)
+
+
 def one_example(singles: list[Ensemble], prompt: str, ex: dict, budget: int) -> dict:
     members = singles[0].members
     row: dict = {"answers": [], "right": [], "evidence": [], "scores": []}
@@ -53,11 +65,7 @@ def one_example(singles: list[Ensemble], prompt: str, ex: dict, budget: int) -> 
         e, n = evidence(m, prompt)
         row["evidence"].append(e)
         row["shown"] = n
-        ids = m.prompt_ids(prompt)
-        # [member][candidate]: (sum log-prob, tokens) of candidate " answer\n"
-        row["scores"].append(
-            [(m.target_logprob(ids, m.encode(a + "\n")), len(m.encode(a + "\n"))) for a in row["answers"]]
-        )
+        row["scores"].append([candidate_score(m, prompt, a + "\n") for a in row["answers"]])
     return row
 
 

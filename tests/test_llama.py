@@ -248,3 +248,53 @@ def test_cancelling_a_request_on_llama_members_frees_its_sequences():
     gc.collect()
     m.runner.seqs.flush()
     assert m.runner.seqs.in_use <= before + 2  # the stored prompts' forks at most
+
+
+@pytest.mark.parametrize("method,config", TINY_METHODS, ids=[m for m, _ in TINY_METHODS])
+def test_structured_output_and_forced_calls_on_llama_members(method, config):
+    """Grammar constraints drive llama.cpp members as they drive transformers ones: schema-valid
+    JSON and a valid forced tool call, every method, on the bundled pair."""
+    import json
+
+    import jsonschema
+    from test_constraints import ADD, PERSON, WEATHER
+
+    eng = Ensemble([SMOL] if method == "single" else [SMOL, GEMMA], method, config, progress=False)
+    res = eng.generate(
+        "Describe a user.",
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        max_new_tokens=60,
+    )
+    assert res.finish_reason == "stop", res.text
+    jsonschema.validate(json.loads(res.text), PERSON)
+    res = eng.generate("Weather in Oslo for 2 days?", tools=[WEATHER, ADD], tool_choice="required", max_new_tokens=60)
+    assert res.finish_reason == "tool_calls", res.raw_text
+    (call,) = res.tool_calls
+    jsonschema.validate(call.arguments, {"get_weather": WEATHER, "add": ADD}[call.name]["function"]["parameters"])
+
+
+def test_the_facades_and_serve_on_llama_members():
+    """LangChain's and LlamaIndex's EnsembleLLM and a real `ensemble-llm serve` process with the
+    openai client, all on the bundled pair on llama.cpp: the same greedy answer."""
+    import openai
+    from helpers import start_server
+    from langchain_ensemble_llm import EnsembleLLM as ChatEnsemble
+    from llama_index.llms.ensemble_llm import EnsembleLLM as IndexEnsemble
+
+    eng = Ensemble([SMOL, GEMMA], "safe", progress=False).load()
+    assert all(isinstance(m, LlamaMember) for m in eng.members)
+    want = eng.generate("What is the capital of France?", max_new_tokens=16).text
+    assert ChatEnsemble(engine=eng, max_tokens=16).invoke("What is the capital of France?").content == want
+    assert IndexEnsemble(engine=eng, max_new_tokens=16).complete("What is the capital of France?").text == want
+    proc, base = start_server([SMOL, GEMMA], "safe")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16
+        )
+        assert r.choices[0].message.content == want
+        assert r.model_extra["ensemble"]["stats"]["members"][SMOL]["forward_passes"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(30)

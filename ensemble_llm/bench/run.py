@@ -151,6 +151,7 @@ def run_bench(
     add_main_ratios(results, [m.name for m in first])
     results["samples"] = {t: q["samples"] for t, q in quality.items()}
     results["hits"] = {t: q["hits"] for t, q in quality.items()}
+    results["outputs"] = {t: q["outputs"] for t, q in quality.items()}
     results["comparison"] = compare_to_members(quality)
     return results
 
@@ -232,6 +233,7 @@ def _task_quality(engines: dict[str, Ensemble], task: str, prompts: list, chat: 
     seconds = dict.fromkeys(engines, 0.0)
     samples: dict[str, list] = {k: [] for k in engines}
     hits: dict[str, list[int]] = {k: [] for k in engines}  # per example, for the paired bootstrap
+    outputs: dict[str, list[str]] = {k: [] for k in engines}  # per example: texts compared across runs
     for prompt, ex in prompts:
         gold = {norm(t) for t in ex["targets"]}
         for key, eng in engines.items():
@@ -246,6 +248,7 @@ def _task_quality(engines: dict[str, Ensemble], task: str, prompts: list, chat: 
             solo[key] += "solo" in res.stats
             right[key] += ok
             hits[key].append(int(ok))
+            outputs[key].append(out)
             if len(samples[key]) < 3:
                 samples[key].append({"input": ex["input"], "output": out.strip(), "correct": ok})
             bar.update()
@@ -261,6 +264,7 @@ def _task_quality(engines: dict[str, Ensemble], task: str, prompts: list, chat: 
         "solo": solo,
         "samples": samples,
         "hits": hits,
+        "outputs": outputs,
     }
 
 
