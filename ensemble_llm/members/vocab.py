@@ -11,7 +11,6 @@ can treat them as atomic (never spelled byte by byte).
 from __future__ import annotations
 
 import bisect
-import json
 import re
 import threading
 from dataclasses import dataclass
@@ -45,8 +44,8 @@ def tokenizer_kind(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return "sentencepiece"
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    text = json.dumps(decoder)
+    decoder = backend.decoder  # its own JSON only: the whole tokenizer's (Gemma-3: 33 MB) took 1.8 s
+    text = decoder.__getstate__().decode("utf-8") if decoder is not None else "{}"
     if '"ByteLevel"' in text:
         return "byte_level"
     return "sentencepiece"
