@@ -183,7 +183,9 @@ class Ensemble:
         """Weights + KV per member and device, read from files (members/plan.py); load() checks it."""
         if self.placement == "ray":
             raise ConfigError("the memory plan covers placement='local'; each Ray actor checks its member's")
-        return plan_members(self.sources, self.devices, self.dtypes, self.options, self.cache_dir, context_tokens)
+        return plan_members(
+            self.sources, self.devices, self.dtypes, self.options, self.cache_dir, context_tokens, self.max_batch
+        )
 
     def _place_on_ray(self) -> list:
         """Each member in a Ray actor (ensemble_llm/ray/): the actors fetch and load the models

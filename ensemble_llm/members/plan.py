@@ -404,6 +404,38 @@ def _labels(dtype: torch.dtype, quantization: str | None, origin: str) -> tuple[
     )
 
 
+def _member_row(source, dev: torch.device, dt, opts: MemberOptions, cache_dir, context_tokens, free, slots):
+    """One member's plan row. On llama.cpp a GGUF's weights are the file (mapped as it is, at its own
+    quantization) and its KV cache is float16, its context's cells for `slots` requests."""
+    from .loader import LLAMA_CONTEXT, gguf_file, resolve_backend
+
+    if resolve_backend(source, opts) == "llama.cpp":
+        path = gguf_file(source, cache_dir, progress=False, revision=opts.revision)
+        size = gguf_size(path)
+        weight, dtype_name, kv_dtype = path.stat().st_size, "gguf", torch.float16
+        origin = f"{size.origin}; the file's size (llama.cpp maps it as it is)"
+    else:
+        size = model_size(source, opts, cache_dir)
+        weight, dtype_name, kv_dtype = weight_bytes(size, dt, opts.quantization), str(dt).removeprefix("torch."), dt
+        origin = size.origin
+        if opts.quantization is not None and weight is not None:
+            dtype_name += f"+{opts.quantization}"
+            origin += (
+                f"; {opts.quantization} weights estimated at {QUANT_BYTES[opts.quantization]:g} byte per linear-layer "
+                "parameter, embeddings and norms unquantized (an estimate)"
+            )
+    cfg = text_config(size.config or {})
+    window = int(cfg.get("max_position_embeddings") or DEFAULT_CONTEXT)
+    tokens = context_tokens if context_tokens is not None else min(DEFAULT_CONTEXT, window)
+    if dtype_name == "gguf" and slots:  # what the llama.cpp context allocates
+        tokens = slots * min(window, LLAMA_CONTEXT)
+    kv_token = kv_bytes_per_token(size.config or {}, kv_dtype)
+    placement, problem = ((), None)
+    if weight is not None:
+        placement, problem = _place(source.name, weight, (kv_token or 0) * tokens, dev, opts, free)
+    return MemberPlan(source.name, size.params, dtype_name, weight, kv_token, tokens, placement, origin, problem)
+
+
 def plan_members(
     sources: Sequence,
     devices: Sequence,
@@ -411,9 +443,11 @@ def plan_members(
     options: Sequence[MemberOptions | None] | None = None,
     cache_dir=None,
     context_tokens: int | None = None,
+    slots: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of resolved `sources` (loader.Source) on `devices` in `dtypes`, with the KV
-    cache of `context_tokens` tokens each (default: min(4096, the member's context window))."""
+    cache of `context_tokens` tokens each (default: min(4096, the member's context window); a
+    llama.cpp member with `slots`: the cells its context allocates for that many requests)."""
     options = list(options) if options is not None else [None] * len(sources)
     free_cache: dict[str, int | None] = {}
 
@@ -422,30 +456,10 @@ def plan_members(
             free_cache[device] = free_bytes(device)
         return free_cache[device]
 
-    rows = []
-    for source, dev, dt, opts in zip(sources, devices, dtypes, options):
-        opts = opts or NO_OPTIONS
-        dev = torch.device(dev)
-        size = model_size(source, opts, cache_dir)
-        cfg = text_config(size.config or {})
-        window = int(cfg.get("max_position_embeddings") or DEFAULT_CONTEXT)
-        tokens = context_tokens if context_tokens is not None else min(DEFAULT_CONTEXT, window)
-        kv_token = kv_bytes_per_token(size.config or {}, dt)
-        weight = weight_bytes(size, dt, opts.quantization)
-        placement, problem = ((), None)
-        if weight is not None:
-            placement, problem = _place(source.name, weight, (kv_token or 0) * tokens, dev, opts, free)
-        dtype_name = str(dt).removeprefix("torch.")
-        origin = size.origin
-        if opts.quantization is not None and weight is not None:
-            dtype_name += f"+{opts.quantization}"
-            origin += (
-                f"; {opts.quantization} weights estimated at {QUANT_BYTES[opts.quantization]:g} byte per linear-layer "
-                "parameter, embeddings and norms unquantized (an estimate)"
-            )
-        rows.append(
-            MemberPlan(source.name, size.params, dtype_name, weight, kv_token, tokens, placement, origin, problem)
-        )
+    rows = [
+        _member_row(source, torch.device(dev), dt, opts or NO_OPTIONS, cache_dir, context_tokens, free, slots)
+        for source, dev, dt, opts in zip(sources, devices, dtypes, options)
+    ]
     for row in rows:
         for d, _ in row.placement:
             if d != "disk":
