@@ -9,10 +9,11 @@ that no quantized module is left, and save normally. Later loads read safetensor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import pickle
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,35 @@ MARKER = "ensemble_llm_source.json"
 
 
 def is_converted(out_dir: Path) -> bool:
-    return (out_dir / MARKER).is_file() and (out_dir / "config.json").is_file()
+    """A complete conversion: its marker and config are there, and a bundled model's marker
+    records the sha256 the registry pins (a conversion of another file is done again)."""
+    from .registry import BUNDLED
+
+    if not (out_dir / "config.json").is_file():
+        return False
+    try:
+        marker = json.loads((out_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    bundled = BUNDLED.get(marker.get("bundled")) if isinstance(marker, dict) else None
+    return isinstance(marker, dict) and (bundled is None or marker.get("sha256") == bundled.sha256)
+
+
+def _temp_dir(out_dir: Path) -> Path:
+    """A new folder next to `out_dir` with a name no other process uses (renamed into place when complete)."""
+    return Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".partial"))
+
+
+def _write_text(path: Path, text: str) -> None:
+    """`text` into `path` through a uniquely named temporary file: a reader never sees half of it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _verdict_key(gguf_path: Path) -> str:
@@ -82,7 +111,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
                 f"truncated or of an architecture transformers cannot load from GGUF; re-download it."
             )
             verdict = out_dir.parent / f".{out_dir.name}.failed.json"
-            verdict.write_text(json.dumps({"key": _verdict_key(gguf_path), "error": message}))
+            _write_text(verdict, json.dumps({"key": _verdict_key(gguf_path), "error": message}))
             raise ModelNotFoundError(message) from exc
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:
@@ -93,16 +122,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
                     "uninstall the `kernels` package so transformers dequantizes GGUF weights, then retry."
                 )
             quantizer.remove_quantization_config(model)
-        tmp = out_dir.with_name(out_dir.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+        info = {"gguf": str(gguf_path), "converted_in_s": round(time.perf_counter() - t0, 1), **(source or {})}
+        _save_converted(model, tokenizer, out_dir, info)
+        print(f"[ensemble-llm] converted in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out_dir
+
+
+def _save_converted(model, tokenizer, out_dir: Path, info: dict) -> None:
+    """The converted folder, saved into a uniquely named folder beside `out_dir` and renamed into place."""
+    tmp = _temp_dir(out_dir)
+    try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        info = {"gguf": str(gguf_path), "converted_in_s": round(time.perf_counter() - t0, 1), **(source or {})}
         (tmp / MARKER).write_text(json.dumps(info, indent=2))
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
-        print(f"[ensemble-llm] converted in {time.perf_counter() - t0:.0f} s", flush=True)
-    return out_dir
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only left when something failed
 
 
 def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
@@ -119,57 +155,100 @@ def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     with FileLock(out_dir.parent / f".{out_dir.name}.lock"):
         if (out_dir / MARKER).is_file():
             return out_dir
-        tmp = out_dir.with_name(out_dir.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = _temp_dir(out_dir)
         try:
-            AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the fix
-            raise ModelNotFoundError(
-                f"transformers could not read the tokenizer of {gguf_path} ({type(exc).__name__}: {exc}); "
-                "re-download the file."
-            ) from exc
-        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf_path), "tokenizer_only": True}, indent=2))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
+            try:
+                AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the fix
+                raise ModelNotFoundError(
+                    f"transformers could not read the tokenizer of {gguf_path} ({type(exc).__name__}: {exc}); "
+                    "re-download the file."
+                ) from exc
+            (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf_path), "tokenizer_only": True}, indent=2))
+            shutil.rmtree(out_dir, ignore_errors=True)
+            os.replace(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
-TOKENIZER_PICKLE = "tokenizer.ensemble_llm.pkl"
+TOKENIZER_CACHE = ".ensemble_llm-tokenizer"  # the built tokenizer, saved in a folder we own
+_CACHE_MANIFEST = "ensemble_llm_tokenizer.json"
+_TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".txt")
 
 
-def _tokenizer_key() -> str:
+def _tokenizer_key(folder: Path) -> dict:
+    """What a cached tokenizer depends on: the library versions and the source files (name, size, mtime)."""
     import tokenizers
     import transformers
 
-    return f"transformers={transformers.__version__};tokenizers={tokenizers.__version__}"
+    files = sorted(  # the files a tokenizer reads (not the weights, locks or our own marker)
+        f
+        for f in folder.iterdir()
+        if f.is_file() and not f.name.startswith(".") and f.suffix in _TOKENIZER_SUFFIXES and f.name != MARKER
+    )
+    return {
+        "versions": f"transformers={transformers.__version__};tokenizers={tokenizers.__version__}",
+        "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+    }
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _cached(cache: Path, key: dict):
+    """The tokenizer saved in `cache` when its manifest matches `key` and every file its sha256, else None."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        manifest = json.loads((cache / _CACHE_MANIFEST).read_text())
+        if manifest["key"] != key or any(_digest(cache / n) != h for n, h in manifest["sha256"].items()):
+            return None
+        return PreTrainedTokenizerFast.from_pretrained(cache, padding_side=manifest["padding_side"])
+    except Exception:  # noqa: BLE001 - missing, stale or broken: rebuilt by the caller
+        return None
 
 
 def load_cached_tokenizer(folder: Path):
-    """The tokenizer of a folder that WE converted, from a pickle written next to it.
+    """The tokenizer of a folder that WE wrote (a converted model, a Ray member's tokenizer files).
 
-    Parsing Gemma's 33 MB tokenizer.json through AutoTokenizer takes ~4 s here; the pickled
-    tokenizer loads in ~2 s, which keeps a warm load of the default pair under 5 s. The pickle is
-    our own cache file (in our cache folder, never a user's model folder); it is keyed by the
-    transformers/tokenizers versions and rebuilt from tokenizer.json when they change or it fails.
-    """
+    AutoTokenizer rebuilds Gemma's tokenizer in Python from its 33 MB tokenizer.json (about 5.4 s
+    here). Once built, it is saved with `save_pretrained` into `TOKENIZER_CACHE` inside the folder:
+    tokenizers' own `tokenizer.json` and its config, plain JSON that no load can run as code (a
+    pickle in a shared cache could). Later loads read it straight into the Rust tokenizer as a
+    `PreTrainedTokenizerFast` (about 3.6 s; the same ids, offsets, decoding, special tokens and
+    chat template, tested). The cache is keyed by the library versions and the source files, each
+    of its files is checked against the sha256 its manifest records, and it is rebuilt on any
+    mismatch; it is written under a lock, through a uniquely named folder renamed into place."""
     from transformers import AutoTokenizer
 
-    path = Path(folder) / TOKENIZER_PICKLE
-    key = _tokenizer_key()
-    if path.is_file():
-        try:
-            with open(path, "rb") as fh:
-                stored_key, tokenizer = pickle.load(fh)
-            if stored_key == key:
-                return tokenizer
-        except Exception:  # noqa: BLE001 - a stale or broken cache file is rebuilt below
-            pass
+    folder = Path(folder)
+    cache, key = folder / TOKENIZER_CACHE, _tokenizer_key(folder)
+    tokenizer = _cached(cache, key)
+    if tokenizer is not None:
+        return tokenizer
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tmp = path.with_suffix(".partial")
     try:
-        with open(tmp, "wb") as fh:
-            pickle.dump((key, tokenizer), fh, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except OSError:  # read-only cache: just skip the speed-up
-        tmp.unlink(missing_ok=True)
+        _save_cache(tokenizer, cache, key)
+    except OSError:  # a read-only cache: just skip the speed-up
+        pass
     return tokenizer
+
+
+def _save_cache(tokenizer, cache: Path, key: dict) -> None:
+    from filelock import FileLock
+
+    with FileLock(cache.parent / f"{cache.name}.lock"):
+        if (cache / _CACHE_MANIFEST).is_file() and _cached(cache, key) is not None:
+            return  # another process saved it while we built ours
+        tmp = _temp_dir(cache)
+        try:
+            tokenizer.save_pretrained(tmp)
+            digests = {f.name: _digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+            manifest = {"key": key, "sha256": digests, "padding_side": tokenizer.padding_side}
+            (tmp / _CACHE_MANIFEST).write_text(json.dumps(manifest, indent=1))
+            shutil.rmtree(cache, ignore_errors=True)
+            os.replace(tmp, cache)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

