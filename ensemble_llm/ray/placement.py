@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import sys
 import threading
 from typing import Any, Sequence
 
@@ -14,6 +16,8 @@ from .actor import MAX_RESTARTS, PLACEMENT_TIMEOUT_S, RESOURCE_KEYS, MemberActor
 from .member import RayMember
 
 log = logging.getLogger("ensemble_llm.ray")
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-machine mode, on the loopback address
 
 # ---- placing members on a cluster -------------------------------------------------------------
 _ACTORS: dict[tuple, RayMember] = {}
@@ -22,7 +26,11 @@ _ACTORS_LOCK = threading.Lock()
 
 def connect(address: str | None):
     """Join the cluster at `address` ("auto", "ray://host:10001", "host:6379"), or the one this
-    process already joined, or (None, nothing joined) start a local one."""
+    process already joined, or (None, nothing joined) start a local one: with Ray's token
+    authentication, and listening on the loopback interface only (`_local_cluster_env`)."""
+    joined = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    if address is None and not joined:
+        _local_cluster_env()
     ray = _ray()
     if ray.is_initialized():
         return ray
@@ -41,6 +49,26 @@ def connect(address: str | None):
             "leave ray_address=None for a local cluster."
         ) from exc
     return ray
+
+
+def _local_cluster_env() -> None:
+    """Settings for the local cluster this process starts. Anyone who reaches a Ray cluster's
+    ports can run code in it, so: token authentication (RAY_AUTH_MODE=token; Ray >= 2.59 also
+    turns it on by default for a local cluster), and the node's address is the loopback one, so
+    that Ray's services listen on 127.0.0.1 only. Ray has no option for the latter on Linux; it
+    reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its single-machine mode: "no cluster, use the
+    loopback address") when it is imported, so a Ray imported before this runs keeps listening
+    on the node's routable address (token auth still holds; logged). Settings the caller made
+    in the environment are kept."""
+    if os.environ.setdefault(AUTH_MODE_ENV, "token") != "token":
+        log.warning(
+            "%s=%s: the local Ray cluster starts without token authentication", AUTH_MODE_ENV, os.environ[AUTH_MODE_ENV]
+        )
+    if "ray" in sys.modules:
+        if os.environ.get(LOOPBACK_ENV) != "0":
+            log.warning("Ray was imported before the local cluster started: it listens on the node's address")
+        return
+    os.environ.setdefault(LOOPBACK_ENV, "0")
 
 
 def check_member_resources(value, n: int) -> list[dict] | None:
@@ -215,20 +243,39 @@ def _collect(ray, pg, made, keys, names, specs, bundles, cache_dir) -> list[tupl
 
 def actor_tokenizer(actor, cache_dir=None):
     """The member's tokenizer, from the files its actor loaded (so the caller needs no model files:
-    on a cluster the weights live only where the actors run). Kept in the cache folder by digest."""
+    on a cluster the weights live only where the actors run). Kept in the cache folder by digest,
+    written under a lock into a uniquely named folder that is renamed into place when complete."""
+    from filelock import FileLock
+
     from ..members.convert import load_cached_tokenizer
     from ..members.fetch import cache_root
 
     ray = _ray()
-    folder = cache_root(cache_dir) / "ray-tokenizers" / ray.get(actor.tokenizer_digest.remote())
+    root = cache_root(cache_dir) / "ray-tokenizers"
+    folder = root / ray.get(actor.tokenizer_digest.remote())
     if not (folder / ".complete").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, data in ray.get(actor.tokenizer_files.remote()).items():
-            tmp = folder / (name + ".partial")
-            tmp.write_bytes(data)
-            tmp.replace(folder / name)
-        (folder / ".complete").write_text("")
+        root.mkdir(parents=True, exist_ok=True)
+        with FileLock(root / f".{folder.name}.lock"):
+            if not (folder / ".complete").is_file():
+                _write_folder(folder, ray.get(actor.tokenizer_files.remote()))
     return load_cached_tokenizer(folder)
+
+
+def _write_folder(folder, files: dict[str, bytes]) -> None:
+    """`files` (name -> bytes) as `folder`, written into a uniquely named folder beside it, then renamed."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".partial"))
+    try:
+        for name, data in files.items():
+            (tmp / Path(name).name).write_bytes(data)  # a bare file name: nothing lands outside the folder
+        (tmp / ".complete").write_text("")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _alive(member: RayMember) -> bool:
