@@ -127,8 +127,9 @@ def request_weights(
     how well each member explains the answers the prompt already shows (scored in the prompt's
     own prefill, `TokenLM.score_prompt`). Other weight settings, one member, a prompt that shows
     no answer: the given weights and main member, unchanged. The evidence goes into `notes`."""
-    if not _auto(method) or len(members) < 2 or method.name == "single":
-        return prior, main
+    rate = method.evidence_rate()
+    if not _auto(method) or len(members) < 2 or method.name == "single" or rate == 0:
+        return prior, main  # (rate 0: the calibrated weights; no answer is scored)
     answers = (
         []
         if raw or isinstance(prompt, str)
@@ -154,13 +155,13 @@ def request_weights(
         # weight even against that, no evidence of theirs can change that it runs alone
         # (`solo_member`), and their prompts are not scored (their weights are upper bounds)
         evidence[main] = score(main)
-        bound = posterior(prior, [0.0 if e is None else e for e in evidence])
+        bound = posterior(prior, [0.0 if e is None else e for e in evidence], 1 / rate)
         if bound[main] >= solo:
             notes["evidence"] = {members[main].name: round(evidence[main], 3)}
             notes["evidence_positions"] = {members[main].name: len(plans[main][0])}
             return bound, main
     evidence = [score(k) if e is None else e for k, e in enumerate(evidence)]
-    weights = posterior(prior, evidence)
+    weights = posterior(prior, evidence, 1 / rate)
     main = given_main if given_main is not None else max(range(len(members)), key=lambda i: (weights[i], -i))
     notes["evidence"] = {m.name: round(e, 3) for m, e in zip(members, evidence)}
     notes["evidence_positions"] = {m.name: len(p) for m, (p, _) in zip(members, plans)}

@@ -22,6 +22,7 @@ from ensemble_llm.evidence import (
     span_positions,
 )
 from ensemble_llm.members import rowgroups
+from ensemble_llm.members.context import current_request
 from ensemble_llm.methods import get_method
 
 FEW_SHOT = "Q: The capital of France is\nA: Paris\nQ: The capital of Japan is\nA: Tokyo\nQ: The capital of Peru is\nA:"
@@ -108,6 +109,26 @@ def test_auto_weights_follow_the_prompt_and_cost_no_forward(tiny_dirs, method):
     r3 = eng.generate("What is the capital of Peru?", max_new_tokens=4)
     assert "evidence" not in r3.stats
     assert list(r3.stats["member_weights"].values()) == pytest.approx(eng.member_weights("chat")[0], abs=1e-4)
+
+
+@pytest.mark.parametrize("method", ["unite", "specfuse"])
+def test_the_evidence_rate_moves_the_weights_that_far_and_zero_reads_nothing(tiny_dirs, method):
+    """`evidence` scales how far the shown answers move the weights: at 0.5 the log-weights move
+    half as far as at 1 (log w = log prior + 0.5 e); at 0 the weights are the calibrated prior and
+    no answer is scored (no evidence in the stats)."""
+    members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
+    half = Ensemble(members, method=method, config={"evidence": 0.5}).load()
+    prior, _ = half.member_weights("raw")
+    res = half.generate(FEW_SHOT, raw=True, max_new_tokens=4, stop=["\n"])
+    ev = list(res.stats["evidence"].values())
+    assert list(res.stats["member_weights"].values()) == pytest.approx(posterior(prior, ev, 2.0), abs=1e-3)
+    assert posterior(prior, ev, 2.0) != pytest.approx(posterior(prior, ev), abs=1e-3)
+    off = Ensemble(members, method=method, config={"evidence": 0}).load()
+    r0 = off.generate(FEW_SHOT, raw=True, max_new_tokens=4, stop=["\n"])
+    assert "evidence" not in r0.stats
+    assert list(r0.stats["member_weights"].values()) == pytest.approx(prior, abs=1e-4)
+    with pytest.raises(ConfigError, match="evidence must be a number in"):
+        Ensemble(members, method=method, config={"evidence": 2})
 
 
 def test_smc_product_reads_the_evidence_but_keeps_equal_exponents(tiny_dirs, monkeypatch):
@@ -247,10 +268,11 @@ def test_a_dominant_member_runs_alone_with_its_own_text_and_cost(real_dirs, plur
     eng = Ensemble([smol, gemma], method=method, config=cfg).load()
     dropped, forget = [], type(eng.members[1]).forget_prompt
 
-    def spy(self, ids):  # in the request's thread: the scored state is there before, gone after
-        before = getattr(self._ready, "state", None)
+    def spy(self, ids):  # in the request's context: the scored state is there before, gone after
+        ready = current_request().ready
+        before = ready.get(id(self))
         forget(self, ids)
-        dropped.append((self.name, before is not None and before.ids == ids, getattr(self._ready, "state", None)))
+        dropped.append((self.name, before is not None and before.ids == ids, ready.get(id(self))))
 
     monkeypatch.setattr(type(eng.members[1]), "forget_prompt", spy)
     prior, _ = eng.member_weights("raw")

@@ -41,6 +41,20 @@ from ..stopping import StopPolicy
 SOLO = 0.99
 
 
+# weights="auto": how far a request's shown answers move its weights from the calibrated prior
+# (evidence.py: log w = log prior + EVIDENCE x e; 0: the prior alone, 1: the tempered posterior)
+EVIDENCE = 1.0
+
+
+def check_evidence(value, owner: str) -> None:
+    """`evidence`: a number in [0, 1] (see EVIDENCE)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(
+            f"{owner}.evidence must be a number in [0, 1] (0: the calibrated weights alone, 1: moved by the "
+            f"shown answers' full evidence), got {value!r}"
+        )
+
+
 def check_solo(value, owner: str) -> None:
     """`solo`: None (always ensemble) or a weight in (0.5, 1] (see `evidence.solo_member`)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.5 < value <= 1.0):
@@ -136,6 +150,10 @@ class Method(abc.ABC):
     def member_weights(self) -> list[float] | str | None:
         """The config's member weights: "auto", None (uniform) or a list."""
         return getattr(self.config, "weights", None)
+
+    def evidence_rate(self) -> float:
+        """How far the request's evidence moves its weights (config `evidence`, evidence.py)."""
+        return float(getattr(self.config, "evidence", EVIDENCE))
 
     def solo_weight(self) -> float | None:
         """The weight at which one member runs alone (config `solo`; None: always ensemble)."""

@@ -32,7 +32,7 @@ import torch
 from ..errors import ConfigError
 from ..members.rows import pick_token, query_async, take_async
 from .align import EOS, VocabIndex, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
-from .base import SOLO, Method, Request, check_solo
+from .base import EVIDENCE, SOLO, Method, Request, check_evidence, check_solo
 from .text import Utf8Releaser
 from .unite import UniteStats, check_ensemble_members, check_main, check_onto_main, check_weights
 
@@ -56,6 +56,7 @@ class SafeConfig:
     adaptive: bool = True
     max_lookahead: int = 16
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
+    evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
     # the union's keys are the drafter's tokens, each member's mass counted once (as UniteConfig.onto_main);
     # then a consensus skip needs the weighted mean above `consensus`, the one test that stays lossless
     onto_main: bool = True
@@ -64,6 +65,7 @@ class SafeConfig:
         check_main(self.drafter, "SafeConfig.drafter")
         check_onto_main(self.onto_main, "SafeConfig")
         check_solo(self.solo, "SafeConfig")
+        check_evidence(self.evidence, "SafeConfig")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 64:
             raise ConfigError(f"SafeConfig.lookahead must be an integer in [1, 64], got {self.lookahead!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:

@@ -29,7 +29,7 @@ import torch
 from ..errors import ConfigError, GenerationError, RequestError
 from ..guide import CLOSE_MARGIN
 from ..members.bytelm import EOS
-from .base import SOLO, Method, Request, RunStats, check_solo
+from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
 from .text import Utf8Releaser
 
 NEG_INF = -math.inf
@@ -60,6 +60,7 @@ class SmcConfig:
     # wide); "sample" draws one SMC sample of the untempered ensemble with a fixed seed
     greedy: str = "beam"
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
+    evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
 
     def __post_init__(self) -> None:
         if self.f == "power":
@@ -83,6 +84,7 @@ class SmcConfig:
         if not 0.0 <= self.prune_threshold < 1.0:
             raise ConfigError(f"SmcConfig.prune_threshold must be in [0, 1), got {self.prune_threshold!r}")
         check_solo(self.solo, "SmcConfig")
+        check_evidence(self.evidence, "SmcConfig")
         if self.greedy not in ("beam", "sample"):
             raise ConfigError(f"SmcConfig.greedy must be 'beam' or 'sample', got {self.greedy!r}")
         if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):

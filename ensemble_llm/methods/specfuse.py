@@ -38,7 +38,7 @@ from ..members.context import current_request, request_scope
 from ..members.rows import pick_token
 from ..members.scheduler import outside_steps
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
-from .base import SOLO, Method, Request, RunStats, check_solo
+from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
 from .text import Utf8Releaser
 from .unite import check_ensemble_members, check_weights
 
@@ -54,9 +54,11 @@ class SpecFuseConfig:
     exit_threshold: float | None = None
     weights: list[float] | str | None = "auto"  # initial member weights: "auto" (calibrated), None (uniform), a list
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
+    evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
 
     def __post_init__(self) -> None:
         check_solo(self.solo, "SpecFuseConfig")
+        check_evidence(self.evidence, "SpecFuseConfig")
         if not isinstance(self.segment_len, int) or self.segment_len < 1:
             raise ConfigError(f"SpecFuseConfig.segment_len must be an integer >= 1, got {self.segment_len!r}")
         if self.score not in SCORES:

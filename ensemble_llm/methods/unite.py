@@ -18,7 +18,7 @@ import torch
 from ..errors import ConfigError
 from ..members.rows import pick_token
 from .align import EOS, start_members, union_distribution, valid_utf8_prefix, vocab_index
-from .base import SOLO, Method, Request, RunStats, check_solo
+from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
 from .text import Utf8Releaser
 
 
@@ -67,6 +67,7 @@ class UniteConfig:
     weights: list[float] | str | None = "auto"  # "auto" (calibrated), None (uniform) or one per member
     primary: int | None = None  # the member whose tokens carry the text; None: the strongest
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
+    evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
     # True: each member's mass counted once, on the primary's first token of each key (align.onto_main_tokens);
     # False: UniTE's own rule (a key a member lacks takes its first sub-token's logit)
     onto_main: bool = True
@@ -78,6 +79,7 @@ class UniteConfig:
         check_main(self.primary, "UniteConfig.primary")
         check_weights(self.weights, None, "UniteConfig")
         check_solo(self.solo, "UniteConfig")
+        check_evidence(self.evidence, "UniteConfig")
 
 
 @dataclass

@@ -312,8 +312,8 @@ class MemberActor:
 
     def op_score_prompt(self, ids: list[int], positions: list[int]) -> list[float]:
         out = self.member.score_prompt(ids, positions)
-        self.ready[tuple(ids)] = self.member._ready.state  # for the prefill that follows (requests interleave here)
-        self.member._ready.state = None
+        # for the prefill that follows (requests interleave here)
+        self.ready[tuple(ids)] = self.member._ready_slot(take=True)
         while len(self.ready) > READY_KEPT:
             self.ready.popitem(last=False)
         return out
