@@ -28,8 +28,9 @@ table) is kept as `prefix`. `ensemble-llm bench --shots drawn` reads the drawn s
     python benchmarks/bigbench_split.py --sdist bigbench-1.0.0.tar.gz --out /tmp/bb
 
 writes /tmp/bb/tune/*.jsonl and /tmp/bb/outside/*.jsonl, and checks (or, with --write-split,
-writes) the committed split.json. The BIG-bench data carries its canary string; it must never be
-used for training.
+writes) the committed split.json; /tmp/bb/dev/*.jsonl are the bundled dev suite's tasks in the
+same form (their instruction as the prefix, drawn shots), which choices are tuned on too.
+The BIG-bench data carries its canary string; it must never be used for training.
 """
 
 from __future__ import annotations
@@ -187,6 +188,21 @@ def main() -> None:
     for half in ("tune", "outside"):
         n = sum(t["examples"] for t in split[half])
         print(f"{half}: {len(split[half])} tasks, {n} examples -> {out / half}")
+    write_dev(out / "dev")
+
+
+def write_dev(folder: Path) -> None:
+    """The bundled dev suite's tasks as task files with drawn shots (their instruction as prefix)."""
+    from ensemble_llm.bench import INSTRUCTIONS, SUITE, bundled_task
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in SUITE:
+        rows = [json.loads(x) for x in bundled_task(name).read_text().splitlines() if x.strip()]
+        lines = task_lines(
+            name, {"task_prefix": INSTRUCTIONS[name]}, [{"input": r["input"], "targets": r["targets"]} for r in rows]
+        )
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    print(f"dev: {len(SUITE)} tasks -> {folder}")
 
 
 def _check_or_write(record: dict, write: bool) -> None:
