@@ -20,8 +20,8 @@ from typing import Any, Callable, Sequence, Unpack
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
 from .errors import ConfigError
 from .kvbudget import KVBudget
-from .members import DEFAULT_MODELS, Member, load_member
-from .members.loader import config_window, local_dir
+from .members import DEFAULT_MODELS, Member
+from .members.loader import config_window, load_members, local_dir
 from .members.plan import MemoryPlan, plan_members
 from .members.scheduler import StepScheduler
 from .methods import get_method
@@ -168,10 +168,9 @@ class Ensemble:
                     self.plan().check()  # the whole set, before any member downloads or loads
                     kw = {"cache_dir": self.cache_dir, "trust_remote_code": self.trust_remote_code}
                     kw["slots"] = self.max_batch  # a llama.cpp member's context holds this many requests
-                    members = [
-                        load_member(s.ref, device=d, dtype=t, progress=self.progress, options=o, **kw)
-                        for s, d, t, o in zip(self.sources, self.devices, self.dtypes, self.options)
-                    ]
+                    members = load_members(  # at once: their loads overlap where they leave the GIL
+                        [s.ref for s in self.sources], self.devices, self.dtypes, self.options, self.progress, **kw
+                    )
                 method = self.method_class(members, self.config)
                 method.check_members()
                 self._members, self._method = members, method
