@@ -10,7 +10,8 @@ for every member of the pair:
   specfuse's verifiers score), so that weighting rules can be compared offline.
 
 `collect` appends one JSON line per example to `--out/examples.jsonl` (a rerun skips what is
-there); `analyse` (weights_analysis.py) reads them.
+there); with --skip-floor N a task is left after N examples where no member was right (they
+tell neither member from the other); weights_analysis.py reads them.
 
     python benchmarks/weights_reliability.py --tasks /tmp/bb/tune/*.jsonl --shots drawn fixed \\
         --out benchmarks/results/weights_reliability
@@ -69,7 +70,7 @@ def one_example(singles: list[Ensemble], prompt: str, ex: dict, budget: int) -> 
     return row
 
 
-def collect(task_files: list[Path], readings: list[str], out: Path, examples: int) -> None:
+def collect(task_files: list[Path], readings: list[str], out: Path, examples: int, skip_floor: int = 0) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "examples.jsonl"
     done = set()
@@ -85,11 +86,15 @@ def collect(task_files: list[Path], readings: list[str], out: Path, examples: in
                 prompts = task_prompts(f, examples, reading)
                 longest = max(len(members[0].encode(t)) for _, ex in prompts for t in ex["targets"])
                 budget = min(64, longest + 4)  # the bench's budget (bench/run.py)
-                t0 = time.perf_counter()
+                t0, right = time.perf_counter(), 0
                 for i, (prompt, ex) in enumerate(prompts):
+                    if skip_floor and i == skip_floor and not right:
+                        break  # both members at the floor: these examples tell no member from the other
                     if (task, reading, i) in done:
+                        right += 1  # (already collected: not counted for the floor)
                         continue
                     row = {"task": task, "shots": reading, "i": i, **one_example(singles, prompt, ex, budget)}
+                    right += sum(row["right"])
                     fh.write(json.dumps(row) + "\n")
                     fh.flush()
                 print(f"{task} {reading}: {len(prompts)} examples, {time.perf_counter() - t0:.0f} s", flush=True)
@@ -100,9 +105,12 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", required=True, type=Path)
     ap.add_argument("--shots", nargs="+", default=["drawn", "fixed"], choices=["drawn", "fixed"])
     ap.add_argument("--examples", type=int, default=100)
+    ap.add_argument(
+        "--skip-floor", type=int, default=0, help="leave a task once this many examples had no member right"
+    )
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
-    collect(args.tasks, args.shots, args.out, args.examples)
+    collect(args.tasks, args.shots, args.out, args.examples, args.skip_floor)
 
 
 if __name__ == "__main__":
