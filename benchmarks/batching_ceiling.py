@@ -43,10 +43,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from serve_overhead import PROMPTS  # noqa: E402 (the same 8 chat prompts as the serve-overhead bench)
 
 from ensemble_llm import Ensemble  # noqa: E402
-from ensemble_llm.members import batching  # noqa: E402
-from ensemble_llm.members.batching import _Call, run_prefills, run_step  # noqa: E402
+from ensemble_llm.members import rowgroups  # noqa: E402
 from ensemble_llm.members.member import Member  # noqa: E402
+from ensemble_llm.members.rowgroups import run_prefills, run_step  # noqa: E402
+from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill  # noqa: E402
 
+DEFAULT = BatchingConfig()
 PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
 KINDS = ("prompt", "one", "multi")
 
@@ -76,8 +78,8 @@ class Timer:
             Member._forward,
             Member.head,
             Member._prompt_own,
-            batching.run_prefills,
-            batching.RowGroup._forward,
+            rowgroups.run_prefills,
+            rowgroups.RowGroup._forward,
         )
         timer = self
 
@@ -114,16 +116,16 @@ class Timer:
 
             return wrapped
 
-        def counted_group(group, calls):
+        def counted_group(group, calls, config):
             cols = max(len(c.new) for c in calls)
             with timer.lock:
                 key = (group.member.name, "one" if cols == 1 else "multi")
                 timer.calls[key] = timer.calls.get(key, 0) + len(calls)
-            return group_forward(group, calls)
+            return group_forward(group, calls, config)
 
         Member._forward, Member.head, Member._prompt_own = timed_forward, timed_head, as_prompt(prompt_own)
-        batching.run_prefills = as_prompt(prefills)
-        batching.RowGroup._forward = counted_group
+        rowgroups.run_prefills = as_prompt(prefills)
+        rowgroups.RowGroup._forward = counted_group
 
 
 def run(engine, clients: int, timer: Timer) -> dict:
@@ -189,13 +191,13 @@ def member_gains(m, prompts: list[list[int]], multi: int) -> dict:
 
     def together(toks):
         states = [m.prefill(p) for p in prompts]
-        run_step(m, [_Call(m, s, 7, None) for s in states])  # one group of 8 rows
+        run_step(m, [Extend(m, s, tokens=[7]) for s in states], DEFAULT)  # one group of 8 rows
         t0 = time.perf_counter()
-        run_step(m, [_Call(m, s, toks, None) for s in states])
+        run_step(m, [Extend(m, s, tokens=toks) for s in states], DEFAULT)
         return time.perf_counter() - t0
 
     one = median_time(lambda: m.prefill(prompts[0]))
-    eight = median_time(lambda: run_prefills(m, [_Call(m, m.new_state(), -1, None, ids=p) for p in prompts]))
+    eight = median_time(lambda: run_prefills(m, [Prefill(m, m.new_state(), ids=p) for p in prompts], DEFAULT))
     out = {f"{m.name}/prompt": round(8 * one / eight, 2)}
     for kind, n in (("one", 1), ("multi", multi)):
         toks = list(range(300, 300 + n))

@@ -1,4 +1,4 @@
-"""What one batched decode step costs: our step (`members/batching.run_step`: rows of one cache,
+"""What one batched decode step costs: our step (`members/rowgroups.run_step`: rows of one cache,
 4-D masks, position ids, holes) against transformers' own batched decode of equal-length rows
 (`DynamicCache`, no mask), at 1 and 8 rows, for each bundled member. It says whether the gap to
 the throughput targets is our scheduling or the forward itself: with 8 rows costing c times one
@@ -25,9 +25,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from ensemble_llm.members.batching import _Call, run_step  # noqa: E402
 from ensemble_llm.members.headpad import describe, pad_rows  # noqa: E402
 from ensemble_llm.members.loader import load_member  # noqa: E402
+from ensemble_llm.members.rowgroups import run_step  # noqa: E402
+from ensemble_llm.members.steps import BatchingConfig, Extend  # noqa: E402
 
 CONTEXT, STEPS, WARM = 100, 12, 2
 
@@ -51,9 +52,9 @@ def ours(m, rows: int) -> float:
     states = [m.prefill(torch.randint(10, 1000, (CONTEXT - 3 * i,)).tolist()) for i in range(rows)]
     times = []
     for _ in range(STEPS):
-        calls = [_Call(m, s, int(torch.randint(10, 1000, ())), None) for s in states]
+        calls = [Extend(m, s, tokens=[int(torch.randint(10, 1000, ()))]) for s in states]
         t = time.perf_counter()
-        run_step(m, calls)
+        run_step(m, calls, BatchingConfig())
         times.append(time.perf_counter() - t)
     return statistics.median(times[WARM:])
 
@@ -119,7 +120,7 @@ def main() -> None:
         f"# One decode step at 1 to 8 rows (context about {CONTEXT} tokens, 2 CPU cores, torch {torch.__version__})",
         "",
         "`python benchmarks/batching_step_cost.py`. plain: transformers' batched decode of equal rows, no mask;"
-        " ours: `batching.run_step` (rows of different lengths, 4-D mask); verify 12: an extend of 12 tokens of one"
+        " ours: `rowgroups.run_step` (rows of different lengths, 4-D mask); verify 12: an extend of 12 tokens of one"
         " request; in brackets: the linear layers' plans (members/headpad.py, timed at load) undone."
         " Median ms of 10 steps; with and without the plans alternating, 3 rounds, the median of the 3.",
         "",

@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument(
         "--whole-steps",
         action="store_true",
-        help="in process: a step is one forward over every row, output layer on all (SPLIT_COLUMNS, SPARSE_HEAD off)",
+        help="in process: a step is one forward over every row, output layer on all (split_columns, sparse_head off)",
     )
     ap.add_argument("--out", default="batching")
     args = ap.parse_args()
@@ -113,9 +113,9 @@ def main() -> None:
                 for m in engine.members:
                     pad_rows(m.model, None)
             if args.whole_steps and not args.ray:
-                from ensemble_llm.members import batching
+                from ensemble_llm.members.steps import BatchingConfig
 
-                batching.SPARSE_HEAD, batching.SPLIT_COLUMNS = False, 10**9
+                engine.scheduler.config = BatchingConfig(sparse_head=False, split_columns=10**9)
             for m in engine.members if args.no_prefix_cache and not args.ray else ():
                 m.prefixes.max_bytes = 0
                 m.prefixes.clear()

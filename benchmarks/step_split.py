@@ -1,4 +1,4 @@
-"""What splitting a batched step saves (members/batching.py: `SPLIT_COLUMNS`, `SPARSE_HEAD`),
+"""What splitting a batched step saves (members/rowgroups.py: `BatchingConfig.split_columns`, `sparse_head`),
 measured side by side in one process against whole steps (one forward over every row of the
 group, the output layer on each row at the step's longest read: the code before the change).
 
@@ -33,30 +33,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from serve_overhead import PROMPTS  # noqa: E402 (the same 8 chat prompts as the serve-overhead bench)
 
 from ensemble_llm import Ensemble  # noqa: E402
-from ensemble_llm.members import batching  # noqa: E402
-from ensemble_llm.members.batching import _Call, run_step  # noqa: E402
+from ensemble_llm.members import rowgroups  # noqa: E402
+from ensemble_llm.members.rowgroups import run_step  # noqa: E402
+from ensemble_llm.members.steps import BatchingConfig, Extend, Score  # noqa: E402
 
-MODES = {"split": (True, batching.SPLIT_COLUMNS), "whole": (False, 10**9)}
+MODES = {
+    "split": BatchingConfig(),
+    "whole": BatchingConfig(sparse_head=False, split_columns=10**9),
+}
+DEFAULT = BatchingConfig()
 PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
 
 
-def set_mode(mode: str) -> None:
-    batching.SPARSE_HEAD, batching.SPLIT_COLUMNS = MODES[mode]
+def set_mode(engine, mode: str) -> BatchingConfig:
+    """The mode's config, set as the engine's too (its scheduler's steps run under it)."""
+    engine.scheduler.config = MODES[mode]
+    return MODES[mode]
 
 
 def step_table(engine, repeats: int = 5) -> list[dict]:
     cands = [list(range(200, 210)), list(range(300, 310))]
     mixes = {
-        "8 rows x 1 token": lambda s, m: [_Call(m, x, 9, None) for x in s],
-        "4 rows x 1 token, 4 idle": lambda s, m: [_Call(m, x, 9, None) for x in s[:4]],
+        "8 rows x 1 token": lambda s, m: [Extend(m, x, tokens=[9]) for x in s],
+        "4 rows x 1 token, 4 idle": lambda s, m: [Extend(m, x, tokens=[9]) for x in s[:4]],
         "1 scoring (20 tokens) + 7 x 1 token": lambda s, m: (
-            [_Call(m, s[0], -1, None, cands=cands)] + [_Call(m, x, 9, None) for x in s[1:]]
+            [Score(m, s[0], cands=cands)] + [Extend(m, x, tokens=[9]) for x in s[1:]]
         ),
         "2 scorings + 6 x 1 token": lambda s, m: (
-            [_Call(m, x, -1, None, cands=cands) for x in s[:2]] + [_Call(m, x, 9, None) for x in s[2:]]
+            [Score(m, x, cands=cands) for x in s[:2]] + [Extend(m, x, tokens=[9]) for x in s[2:]]
         ),
-        "4 scorings, 4 idle": lambda s, m: [_Call(m, x, -1, None, cands=cands) for x in s[:4]],
-        "8 scorings": lambda s, m: [_Call(m, x, -1, None, cands=cands) for x in s],
+        "4 scorings, 4 idle": lambda s, m: [Score(m, x, cands=cands) for x in s[:4]],
+        "8 scorings": lambda s, m: [Score(m, x, cands=cands) for x in s],
     }
     rows = []
     for m in engine.members:
@@ -64,19 +71,19 @@ def step_table(engine, repeats: int = 5) -> list[dict]:
 
         def group(m=m, g=g):
             states = [m.prefill(torch.randint(100, 5000, (120 + 3 * i,), generator=g).tolist()) for i in range(8)]
-            run_step(m, [_Call(m, s, 7, None) for s in states])
+            run_step(m, [Extend(m, s, tokens=[7]) for s in states], DEFAULT)
             return states
 
         for name, mix in mixes.items():
             ms = {}
             for mode in MODES:
-                set_mode(mode)
+                config = set_mode(engine, mode)
                 ts = []
                 for _ in range(repeats):
                     states = group()  # all 8 alive: the rows without a call are idle, not dead
                     calls = mix(states, m)
                     t0 = time.perf_counter()
-                    run_step(m, calls)
+                    run_step(m, calls, config)
                     ts.append(time.perf_counter() - t0)
                 ms[mode] = round(statistics.median(ts) * 1e3, 1)
             rows.append({"member": m.name, "mix": name, **{f"{k}_ms": v for k, v in ms.items()}})
@@ -93,9 +100,9 @@ def run_requests(engine, clients: int = 8) -> tuple[float, list[str]]:
 
 def counted(engine) -> dict:
     """One pass of the requests with every member's batched forwards counted (see the module)."""
-    stats, forward = {}, batching.RowGroup._forward
+    stats, forward = {}, rowgroups.RowGroup._forward
 
-    def wrapped(group, calls):
+    def wrapped(group, calls, config):
         m = group.member
         rec = stats.setdefault(m.name, {"forwards": 0, "columns": 0, "head_rows": 0, "asked": 0, "s": 0.0})
         inner, head = m._forward, m.head
@@ -115,16 +122,16 @@ def counted(engine) -> dict:
         rec["asked"] += sum(len(c.new) for c in calls)
         t0 = time.perf_counter()
         try:
-            forward(group, calls)
+            forward(group, calls, config)
         finally:
             rec["s"] = round(rec["s"] + time.perf_counter() - t0, 2)
             del m._forward, m.head
 
-    batching.RowGroup._forward = wrapped
+    rowgroups.RowGroup._forward = wrapped
     try:
         run_requests(engine)
     finally:
-        batching.RowGroup._forward = forward
+        rowgroups.RowGroup._forward = forward
     return stats
 
 
@@ -145,7 +152,7 @@ def main() -> None:
         runs, texts = {m: [] for m in MODES}, {}
         for rep in range(args.repeats):
             for mode in MODES if rep % 2 == 0 else list(MODES)[::-1]:
-                set_mode(mode)
+                set_mode(engine, mode)
                 tps, txt = run_requests(engine)
                 runs[mode].append(round(tps, 2))
                 texts.setdefault(mode, txt)
@@ -170,11 +177,11 @@ def main() -> None:
 
 def _table(steps, methods, args) -> str:
     lines = [
-        "# Split steps against whole steps (members/batching.py), side by side in one process",
+        "# Split steps against whole steps (members/rowgroups.py), side by side in one process",
         "",
         f"`python benchmarks/step_split.py --methods {args.methods} --repeats {args.repeats}`; the bundled pair,"
-        f" 2 CPU cores. Split: SPLIT_COLUMNS = {MODES['split'][1]}, SPARSE_HEAD on. Whole: one forward over every"
-        " row, the output layer on every row at the step's longest read.",
+        f" 2 CPU cores. Split: split_columns = {MODES['split'].split_columns}, sparse_head on."
+        " Whole: one forward over every row, the output layer on every row at the step's longest read.",
         "",
         "One step of a group of 8 rows (median of 5):",
         "",
