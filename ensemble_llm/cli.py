@@ -218,9 +218,15 @@ def _cmd_serve(args) -> int:
     if not all(importlib.util.find_spec(m) for m in ("fastapi", "pydantic", "uvicorn", "prometheus_client")):
         print('error: serving needs the serve extra: pip install "ensemble-llm[serve]"', file=sys.stderr)
         return 2
-    from .serve import serve
+    from .serve import Limits, serve
 
+    try:
+        api_key = _api_key(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     models = args.models.split(",") if args.models else None
+    limits = Limits(body_bytes=int(args.max_body_mb * 2**20), check_seconds=args.check_timeout)
     try:
         print(f"[ensemble-llm] loading; then serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         serve(
@@ -228,8 +234,12 @@ def _cmd_serve(args) -> int:
             args.method,
             host=args.host,
             port=args.port,
-            api_key=args.api_key,
+            api_key=api_key,
             max_queue=args.max_queue,
+            limits=limits,
+            allowed=args.allowed_host,
+            cors_origins=args.cors_origin,
+            docs=args.docs,
             max_batch=args.max_batch,
             kv_budget=None if args.kv_budget == "none" else args.kv_budget,
             device=args.device,
@@ -239,6 +249,31 @@ def _cmd_serve(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _api_key(args) -> str | None:
+    """The key from --api-key-file, else --api-key (visible in `ps`: warned), else $ENSEMBLE_LLM_API_KEY."""
+    from pathlib import Path
+
+    from .serve import API_KEY_ENV
+
+    if args.api_key_file and args.api_key:
+        raise ValueError("give the key once: --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the API key file {args.api_key_file}: {exc}") from None
+        if not key:
+            raise ValueError(f"the API key file {args.api_key_file} is empty; write the key into it")
+        return key
+    if args.api_key:
+        print(
+            f"[ensemble-llm] warning: --api-key shows in the process list; prefer {API_KEY_ENV} or --api-key-file",
+            file=sys.stderr,
+        )
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 from .bench import DEFAULT_METHODS, DEFAULT_TASKS, SUITE  # noqa: E402  (light: no model code runs at import)
@@ -381,7 +416,35 @@ def _add_serve(sub) -> None:
     sv.add_argument("--method", default=None, help="default: specfuse for 2+ members, else single")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (also read from $ENSEMBLE_LLM_API_KEY or --api-key-file, "
+        "which keep it out of the process list)",
+    )
+    sv.add_argument("--api-key-file", default=None, help="a file holding the API key")
+    sv.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        help="a Host name (or address) clients use, besides the loopback names and --host; repeat for several; "
+        "'*' answers any (other Hosts get 421)",
+    )
+    sv.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="a browser origin (e.g. https://app.example.com) allowed to call the API; repeat for several "
+        "(default: none, CORS closed)",
+    )
+    sv.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
+    sv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body, in MiB (larger: 413)")
+    sv.add_argument(
+        "--check-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's checks (its JSON Schema and tools compiled) may take before a 400",
+    )
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting or running before 429")
     sv.add_argument(
         "--max-batch",

@@ -170,6 +170,10 @@ class _Stream:
             state["text"], list(state["calls"].values()), state["finish"], state["usage"], state["extra"]
         )
 
+    def close(self) -> None:
+        """Close the HTTP response: the server sees the disconnect and stops generating."""
+        self._events.close()
+
     def __iter__(self) -> Iterator[str]:
         state = {"text": "", "calls": {}, "finish": None, "usage": None, "extra": None}
         try:
@@ -179,6 +183,8 @@ class _Stream:
                     yield delta
         except Exception as exc:  # noqa: BLE001 - the engine's error classes
             raise _error(exc) from exc
+        finally:  # also when the caller abandons the stream (its loop breaks, the generator is closed)
+            self._events.close()
         self._finish(state)
 
     async def __aiter__(self) -> AsyncIterator[str]:
@@ -190,6 +196,8 @@ class _Stream:
                     yield delta
         except Exception as exc:  # noqa: BLE001
             raise _error(exc) from exc
+        finally:
+            await self._events.close()
         self._finish(state)
 
 
@@ -284,6 +292,9 @@ class _AsyncStream:
         except Exception as exc:  # noqa: BLE001
             raise _error(exc) from exc
         inner = _Stream(events)
-        async for delta in inner:
-            yield delta
+        try:
+            async for delta in inner:
+                yield delta
+        finally:  # an abandoned stream closes its response (see _Stream)
+            await events.close()
         self.result = inner.result

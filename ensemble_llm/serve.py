@@ -6,28 +6,59 @@ Endpoints: POST /v1/chat/completions (messages with tools and tool calls, `tools
 GET /health, GET /metrics (Prometheus, with the KV budget per device). Errors are OpenAI-shaped,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad parameter (named), a prompt over
 the context window or a request whose KV cache could never fit the KV budget, 401
-without the API key when one is set, 429 when the queue is full, 504 on a timeout (the body's
-`timeout`, seconds), 500 only for a fault inside generation (the engine keeps serving). A
-client that disconnects cancels its request: no further forward pass runs for it. Every reply
-carries the ensemble's figures in an extra `ensemble` field.
+without the API key when one is set, 404 for a model this server does not serve, 413 for a body
+over the size limit, 415 for a body that is not JSON, 421 for a Host header the server was not
+started for, 429 when the queue is full, 504 on a timeout (the body's `timeout`, seconds), 500
+only for a fault inside generation (a generic message with the request id; the detail goes to
+the server's log; the engine keeps serving). A client that disconnects cancels its request: no
+further forward pass runs for it. Every reply carries the ensemble's figures in an extra
+`ensemble` field.
+
+Every request is bounded before it reaches the queue (`Limits`): the body is read in chunks up
+to its size limit, and parsing and every check (schemas and tools compiled included) run in a
+small thread pool under a time bound, so the event loop (and /health) never waits for them.
+docs/serving-safely.md says what is bound by default and why.
 
 Needs the `serve` extra: pip install "ensemble-llm[serve]".
 """
 
 import asyncio
 import json
+import logging
 import secrets
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.responses import JSONResponse, StreamingResponse
 
 from .engine import Ensemble
-from .errors import EnsembleError, GenerationError, RequestCancelled, RequestError, RequestTimeout
+from .errors import EnsembleError, RequestCancelled, RequestError, RequestTimeout
 from .params import GenerationParams
 from .results import GenerationResult
+
+log = logging.getLogger("ensemble_llm.serve")
+API_KEY_ENV = "ENSEMBLE_LLM_API_KEY"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+MODEL_ALIASES = ("ensemble",)  # besides the model id and the method name: what client mode sends
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold; a request past a limit is refused before any queue, naming it."""
+
+    body_bytes: int = 4 * 2**20  # a 128k-token prompt is about 0.5 MB of text
+    stop: int = 4  # OpenAI's API takes at most 4 stop strings
+    tools: int = 128  # and at most 128 tools
+    # OpenAI documents no message limit; a chat template spends at least 4 tokens on each message,
+    # so 2048 messages are 8k tokens of framing alone (SmolLM2's whole context window), and the
+    # checks and templating of each message stay bounded
+    messages: int = 2048
+    check_seconds: float = 10.0  # parsing and checking one request (schemas compiled included)
 
 
 class _Body(BaseModel):
@@ -104,21 +135,26 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+_FIELDS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "timeout",
+    "tool_choice",
+    "tools",
+    "response_format",
+    "messages",
+    "prompt",
+)
+
+
 def _param_of(message: str) -> str | None:
     """The request field a RequestError names (its message starts with or quotes it)."""
-    for name in (
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "stop",
-        "timeout",
-        "tool_choice",
-        "tools",
-        "response_format",
-        "messages",
-        "prompt",
-    ):
+    if message.startswith("tool ") or message.startswith("tools"):
+        return "tools"
+    for name in sorted(_FIELDS, key=lambda n: not message.startswith(n)):  # the field it starts with first
         if name in message:
             return {"max_new_tokens": "max_tokens"}.get(name, name)
     if "message " in message or "content" in message:
@@ -126,16 +162,28 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-def _from_engine_error(exc: EnsembleError) -> ApiError:
+def internal_error(rid: str, exc: BaseException) -> "ApiError":
+    """A fault inside the server, as a 500 that names only the request id: the detail (a Ray
+    traceback, paths, pids) goes to the server's log, never to the client."""
+    log.error("request %s failed: %s: %s", rid, type(exc).__name__, exc, exc_info=exc)
+    return ApiError(
+        500,
+        f"internal error while generating (request id {rid}); the server keeps serving, and its log "
+        "holds the details under that id.",
+        "server_error",
+        None,
+        "internal_error",
+    )
+
+
+def _from_engine_error(exc: EnsembleError, rid: str) -> ApiError:
     if isinstance(exc, RequestTimeout):
         return ApiError(504, str(exc), "timeout_error", "timeout", "timeout")
     if isinstance(exc, RequestError):
         return ApiError(400, str(exc), "invalid_request_error", _param_of(str(exc)), exc.code)
     if isinstance(exc, RequestCancelled):
         return ApiError(499, str(exc), "cancelled")
-    if isinstance(exc, GenerationError):
-        return ApiError(500, f"{exc} (the server keeps serving)", "server_error")
-    return ApiError(400, str(exc))
+    return internal_error(rid, exc)  # GenerationError and anything else raised inside generation
 
 
 def _messages(raw: list[dict]) -> list[dict]:
@@ -154,24 +202,24 @@ def _messages(raw: list[dict]) -> list[dict]:
             )
         calls = m.get("tool_calls")
         if isinstance(calls, list):
-            fixed = []
-            for c in calls:
-                if isinstance(c, dict) and isinstance(c.get("function"), dict):
-                    fn = dict(c["function"])
-                    if isinstance(fn.get("arguments"), str):
-                        try:
-                            fn["arguments"] = json.loads(fn["arguments"] or "{}")
-                        except ValueError:
-                            raise ApiError(
-                                400,
-                                f"messages[{i}].tool_calls: arguments are not JSON: {fn['arguments']!r}",
-                                param="messages",
-                            ) from None
-                    c = {**c, "function": fn}
-                fixed.append(c)
-            m["tool_calls"] = fixed
+            m["tool_calls"] = [_parsed_call(c, i) for c in calls]
         out.append(m)
     return out
+
+
+def _parsed_call(c: Any, i: int) -> Any:
+    """One tool call of message i with its arguments parsed from their JSON text."""
+    if not (isinstance(c, dict) and isinstance(c.get("function"), dict)):
+        return c
+    fn = dict(c["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"] or "{}")
+        except (ValueError, RecursionError):
+            raise ApiError(
+                400, f"messages[{i}].tool_calls: arguments are not JSON: {fn['arguments']!r:.200}", param="messages"
+            ) from None
+    return {**c, "function": fn}
 
 
 def _params(body: _Body, *, raw: bool) -> GenerationParams:
@@ -192,22 +240,41 @@ def _params(body: _Body, *, raw: bool) -> GenerationParams:
             settings["tool_choice"] = body.tool_choice
     elif body.tool_choice not in (None, "none", "auto"):
         raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-    try:
-        return GenerationParams(**settings)
-    except RequestError as exc:
-        raise _from_engine_error(exc) from None
+    return GenerationParams(**settings)
+
+
+class _Slot:
+    """One request's place in the queue, given back exactly once whatever path the request takes."""
+
+    def __init__(self, srv: "Server") -> None:
+        self._srv, self._held = srv, True
+
+    def release(self) -> None:
+        with self._srv.lock:
+            if not self._held:
+                return
+            self._held = False
+            self._srv.in_flight -= 1
+            self._srv.queue.set(self._srv.in_flight)
 
 
 class Server:
-    """The state behind the app: the engine, the queue limit and the metrics."""
+    """The state behind the app: the engine, the limits, the queue, the checks' threads and the metrics."""
 
-    def __init__(self, engine: Ensemble, *, api_key: str | None = None, max_queue: int = 64) -> None:
+    def __init__(
+        self, engine: Ensemble, *, api_key: str | None = None, max_queue: int = 64, limits: Limits | None = None
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.engine, self.api_key, self.max_queue = engine, api_key, max_queue
+        self.limits = limits or Limits()
         self.model_id = f"{engine.method_name}:{'+'.join(engine.model_names)}"
+        self.model_names = {self.model_id, engine.method_name, *MODEL_ALIASES}
         self.in_flight = 0
         self.lock = threading.Lock()
+        # the requests' checks run here, two at a time: a burst of costly requests waits its turn
+        # (each under its time bound) instead of taking every core from the running requests
+        self.checkers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ensemble-llm-check")
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "ensemble_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=self.registry
@@ -228,7 +295,7 @@ class Server:
             self.kv_limit.labels(device).set(limit)
             self.kv_reserved.labels(device).set(used.get(device, 0))
 
-    def admit(self) -> None:
+    def admit(self) -> _Slot:
         with self.lock:
             if self.in_flight >= self.max_queue:
                 raise ApiError(
@@ -240,11 +307,22 @@ class Server:
                 )
             self.in_flight += 1
             self.queue.set(self.in_flight)
+        return _Slot(self)
 
-    def release(self) -> None:
-        with self.lock:
-            self.in_flight -= 1
-            self.queue.set(self.in_flight)
+    async def checked(self, check: Callable[[], Any]) -> Any:
+        """`check()` in the checks' threads, answered within `limits.check_seconds`: the event
+        loop never runs it. A check still running at the bound finishes in its thread, unread."""
+        future = self.checkers.submit(check)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.limits.check_seconds)
+        except TimeoutError:
+            if future.cancel():  # it never started: other requests' checks held the threads
+                raise ApiError(503, "the server is busy checking other requests; retry later", "server_error") from None
+            raise ApiError(
+                400,
+                f"checking this request took longer than {self.limits.check_seconds:g} s (a large JSON Schema "
+                "or many tools); send a smaller one.",
+            ) from None
 
     def ensemble_field(self, result: GenerationResult) -> dict:
         stats = {k: v for k, v in result.stats.items() if k != "trace"}
@@ -266,32 +344,124 @@ def _usage(result: GenerationResult) -> dict:
     return result.usage.to_dict()
 
 
+def _key_ok(srv: Server, request) -> bool:
+    if srv.api_key is None:
+        return True
+    auth = request.headers.get("authorization", "")
+    # constant-time comparison: the time a wrong key takes says nothing about the right one
+    return secrets.compare_digest(auth.encode(), f"Bearer {srv.api_key}".encode())
+
+
 def _check_key(srv: Server, request) -> None:
-    if srv.api_key is not None:
-        auth = request.headers.get("authorization", "")
-        # constant-time comparison: the time a wrong key takes says nothing about the right one
-        if not secrets.compare_digest(auth.encode(), f"Bearer {srv.api_key}".encode()):
+    if not _key_ok(srv, request):
+        raise ApiError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            "authentication_error",
+            None,
+            "invalid_api_key",
+        )
+
+
+async def _body_bytes(request, limit: int) -> bytes:
+    """The raw body of a POST: JSON only (415 otherwise), read in chunks and refused with 413 as
+    soon as it passes `limit` bytes, whatever Content-Length claims."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        # a browser page may send text/plain or a form to any site without asking first (a CORS
+        # "simple" request): refusing every other type keeps such posts from driving the models
+        raise ApiError(
+            415,
+            f"the body must be JSON sent as 'Content-Type: application/json' (got {media or 'no content type'!r})",
+            param="content-type",
+            code="unsupported_media_type",
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            await _drain(request, 16 * limit)  # so the client reads the 413 instead of a reset connection
             raise ApiError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                "authentication_error",
-                None,
-                "invalid_api_key",
+                413,
+                f"the request body is larger than this server takes ({limit} bytes); send a shorter prompt "
+                "(or start the server with a larger --max-body-mb)",
+                code="request_too_large",
             )
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-async def _read(request, model: type[_Body]) -> _Body:
-    """The request body as `model` (ChatBody or CompletionBody), or a 400 naming what is wrong."""
+async def _drain(request, cap: int) -> None:
+    """Read and drop the rest of a refused body, up to `cap` bytes (past that the connection just closes)."""
+    seen = 0
     try:
-        body = await request.json()
-    except ValueError:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > cap:
+                return
+    except Exception:  # noqa: BLE001 - the client went away: nothing left to drain
+        return
+
+
+def _parsed(raw: bytes, model: type[_Body]) -> _Body:
+    """The body's JSON as `model` (ChatBody or CompletionBody), or a 400 naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply to read") from None
+    except ValueError:  # UnicodeDecodeError included
         raise ApiError(400, "the request body is not JSON") from None
-    if not isinstance(body, dict):
+    if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise _api_error(exc) from None
+
+
+def _check_counts(body: _Body, limits: Limits) -> None:
+    """Stop strings, tools and messages within their limits (before any of them is read)."""
+    stop = body.stop if isinstance(body.stop, list) else []
+    messages = getattr(body, "messages", [])
+    for count, limit, name, fix in (
+        (len(stop), limits.stop, "stop", "stop strings (OpenAI's limit too)"),
+        (len(body.tools or []), limits.tools, "tools", "tools (OpenAI's limit too)"),
+        (len(messages), limits.messages, "messages", "messages: send a shorter conversation"),
+    ):
+        if count > limit:
+            raise ApiError(400, f"'{name}' lists {count} entries; this server takes at most {limit} {fix}", param=name)
+
+
+def _check_model(srv: Server, name: str | None) -> None:
+    if name is not None and name not in srv.model_names:
+        others = ", ".join(repr(n) for n in sorted(srv.model_names - {srv.model_id}))
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist here; this server serves {srv.model_id!r} (also named {others})",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _checked_request(srv: Server, raw: bytes, chat: bool) -> tuple[_Body, Any, GenerationParams]:
+    """Everything a request is checked for before it may queue (run in the checks' threads)."""
+    body = _parsed(raw, ChatBody if chat else CompletionBody)
+    _check_counts(body, srv.limits)
+    _check_model(srv, body.model)
+    if chat:
+        prompt = _messages(body.messages)
+    else:
+        prompt = body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string", param="prompt")
+    try:
+        params = _params(body, raw=not chat)
+        srv.engine.check_request(prompt, params)
+    except RequestError as exc:
+        raise _from_engine_error(exc, "") from None
+    return body, prompt, params
 
 
 async def _run(engine: Ensemble, request, prompt: Any, params: GenerationParams) -> GenerationResult:
@@ -304,12 +474,15 @@ async def _run(engine: Ensemble, request, prompt: Any, params: GenerationParams)
         return stream.result
 
     task = asyncio.ensure_future(consume())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                raise ApiError(499, "the client disconnected", "cancelled")
+        return task.result()
+    finally:
+        if not task.done():
             task.cancel()  # the stream's cleanup tells the engine: no further forward pass
-            raise ApiError(499, "the client disconnected", "cancelled")
-    return task.result()
 
 
 def _reply(srv: Server, result: GenerationResult, rid: str, created: int, chat: bool) -> dict:
@@ -333,93 +506,52 @@ def _reply(srv: Server, result: GenerationResult, rid: str, created: int, chat: 
 
 
 async def _handle(srv: Server, request, endpoint: str, chat: bool):
-    """One completion request: checked, admitted to the queue, run (or streamed), answered."""
-    from fastapi.responses import StreamingResponse
-
-    engine = srv.engine
-    _check_key(srv, request)
-    body = await _read(request, ChatBody if chat else CompletionBody)
-    if chat:
-        prompt = _messages(body.messages)
-    else:
-        prompt = body.prompt
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be a string", param="prompt")
-    params = _params(body, raw=not chat)
-    try:
-        engine.check_request(prompt, params)
-    except RequestError as exc:
-        raise _from_engine_error(exc) from None
-    srv.admit()
+    """One completion request: read, checked off the loop, admitted to the queue, run (or
+    streamed) and answered; its queue slot is given back on every path."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    request.state.rid = rid
+    _check_key(srv, request)
+    raw = await _body_bytes(request, srv.limits.body_bytes)
+    body, prompt, params = await srv.checked(lambda: _checked_request(srv, raw, chat))
+    slot = srv.admit()
     created = int(time.time())
-    if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(
-            _sse(srv, engine, prompt, params, rid, created, chat, include_usage, endpoint),
-            media_type="text/event-stream",
-        )
-    t0 = time.perf_counter()
     try:
-        result = await _run(engine, request, prompt, params)
-    except EnsembleError as exc:
-        raise _from_engine_error(exc) from None
-    finally:
-        srv.release()
-    srv.seconds.labels(engine.method_name).observe(time.perf_counter() - t0)
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            events = _sse(srv, prompt, params, rid, created, chat, include_usage, endpoint, slot)
+            return _SlotStream(events, slot)
+        t0 = time.perf_counter()
+        try:
+            result = await _run(srv.engine, request, prompt, params)
+        except EnsembleError as exc:
+            raise _from_engine_error(exc, rid) from None
+    except BaseException:
+        slot.release()
+        raise
+    slot.release()
+    srv.seconds.labels(srv.engine.method_name).observe(time.perf_counter() - t0)
     srv.tokens.inc(result.usage.completion_tokens)
     srv.requests.labels(endpoint, "200").inc()
     return _reply(srv, result, rid, created, chat)
 
 
-def create_app(engine: Ensemble, *, api_key: str | None = None, max_queue: int = 64):
-    """The FastAPI app serving `engine` (see the module doc)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
-    from prometheus_client import generate_latest
+class _SlotStream(StreamingResponse):
+    """Server-sent events that give the queue slot back when the response ends, also when the
+    client left before the first event (then the events' generator never starts, nor its finally)."""
 
-    srv = Server(engine, api_key=api_key, max_queue=max_queue)
-    app = FastAPI(title="ensemble-llm", version="1")
-    app.state.server = srv
+    def __init__(self, events: AsyncIterator[str], slot: _Slot) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.slot = slot
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
-        srv.requests.labels(request.url.path, str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": srv.model_id, "queue": srv.in_flight}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        _check_key(srv, request)
-        return {
-            "object": "list",
-            "data": [{"id": srv.model_id, "object": "model", "created": 0, "owned_by": "ensemble-llm"}],
-        }
-
-    @app.get("/metrics")
-    async def metrics():
-        srv.kv_figures()
-        return PlainTextResponse(generate_latest(srv.registry).decode(), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _handle(srv, request, "/v1/chat/completions", chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _handle(srv, request, "/v1/completions", chat=False)
-
-    return app
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.slot.release()
 
 
 async def _sse(
     srv: Server,
-    engine: Ensemble,
     prompt: Any,
     params: GenerationParams,
     rid: str,
@@ -427,35 +559,29 @@ async def _sse(
     chat: bool,
     include_usage: bool,
     endpoint: str,
+    slot: _Slot,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format; the generator's cancellation (a client that
-    went away) reaches the engine through the stream's cleanup."""
+    went away) reaches the engine through the stream's cleanup. A failure mid-stream is one
+    OpenAI-shaped error event (a fault inside generation: generic, with the request id)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: dict | str | None, finish: str | None = None, **extra) -> str:
-        if chat:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-        else:
-            choices = [] if delta is None else [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]
-        return (
-            "data: "
-            + json.dumps(
-                {"id": rid, "object": obj, "created": created, "model": srv.model_id, "choices": choices, **extra},
-                ensure_ascii=False,
-            )
-            + "\n\n"
-        )
+        key = "delta" if chat else "text"
+        choices = [] if delta is None else [{"index": 0, key: delta, "finish_reason": finish, "logprobs": None}]
+        event = {"id": rid, "object": obj, "created": created, "model": srv.model_id, "choices": choices, **extra}
+        return "data: " + json.dumps(event, ensure_ascii=False) + "\n\n"
 
     t0 = time.perf_counter()
-    stream = engine.astream(prompt, params)
     try:
+        stream = srv.engine.astream(prompt, params)
         if chat:
             yield chunk({"role": "assistant", "content": ""})
         try:
             async for delta in stream:
                 yield chunk({"content": delta} if chat else delta)
-        except EnsembleError as exc:
-            err = _from_engine_error(exc)
+        except Exception as exc:  # noqa: BLE001 - the error event, then the stream ends
+            err = _from_engine_error(exc, rid) if isinstance(exc, EnsembleError) else internal_error(rid, exc)
             srv.requests.labels(endpoint, str(err.status)).inc()
             yield "data: " + json.dumps(err.body()) + "\n\n"
             return
@@ -467,11 +593,134 @@ async def _sse(
         if include_usage:
             yield chunk(None, usage=_usage(result))
         yield "data: [DONE]\n\n"
-        srv.seconds.labels(engine.method_name).observe(time.perf_counter() - t0)
+        srv.seconds.labels(srv.engine.method_name).observe(time.perf_counter() - t0)
         srv.tokens.inc(result.usage.completion_tokens)
         srv.requests.labels(endpoint, "200").inc()
     finally:
-        srv.release()
+        slot.release()
+
+
+class _HostCheck:
+    """Starlette's `TrustedHostMiddleware` (its Host parsing and name patterns), answering a Host
+    outside `allowed` with 421 Misdirected Request and an OpenAI-shaped body instead of its plain
+    400. A page on another site that rebinds its DNS name to this machine sends its own name as
+    Host, so it is refused here. /health answers any Host (probes address a pod by its IP)."""
+
+    def __init__(self, app, allowed: list[str]) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        if scope["type"] not in ("http", "websocket") or scope.get("path") == "/health":
+            await self.app(scope, receive, send)
+            return
+
+        async def allowed(scope_, receive_, _send) -> None:  # the check let it through: the app answers
+            await self.app(scope_, receive_, send)
+
+        async def misdirected(message) -> None:  # the check refused it (its only reply): 421 instead
+            if message["type"] == "http.response.start":
+                host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+                err = ApiError(
+                    421,
+                    f"this server does not answer for the Host {host!r:.100}; start it with --allowed-host NAME "
+                    f"for each name its clients use (allowed now: {', '.join(self.allowed)})",
+                    code="misdirected_request",
+                )
+                await JSONResponse(err.body(), status_code=421)(scope, receive, send)
+
+        check = TrustedHostMiddleware(allowed, allowed_hosts=self.allowed, www_redirect=False)
+        await check(scope, receive, misdirected)
+
+
+def allowed_hosts(host: str, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The Host names a server bound to `host` answers for: loopback names, the bound address
+    (not a wildcard such as 0.0.0.0, which no client sends) and `extra` (`--allowed-host`)."""
+    names = list(LOOPBACK_HOSTS)
+    if host not in ("0.0.0.0", "::", ""):
+        names.append(f"[{host}]" if ":" in host and not host.startswith("[") else host)
+    return list(dict.fromkeys(n.lower() for n in [*names, *extra]))
+
+
+def create_app(
+    engine: Ensemble,
+    *,
+    api_key: str | None = None,
+    max_queue: int = 64,
+    limits: Limits | None = None,
+    hosts: list[str] | None = None,
+    cors_origins: list[str] | tuple[str, ...] = (),
+    docs: bool = False,
+):
+    """The FastAPI app serving `engine` (see the module doc). `hosts`: the Host names it answers
+    (default: `allowed_hosts("127.0.0.1")`); `cors_origins`: browser origins allowed to call it
+    (none by default: CORS stays closed); `docs`: serve /docs, /redoc and /openapi.json."""
+    from fastapi import FastAPI, Request
+    from starlette.middleware.cors import CORSMiddleware
+
+    srv = Server(engine, api_key=api_key, max_queue=max_queue, limits=limits)
+    paths = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"} if docs else {}
+    app = FastAPI(
+        title="ensemble-llm", version="1", **{"docs_url": None, "redoc_url": None, "openapi_url": None, **paths}
+    )
+    app.state.server = srv
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
+    app.add_middleware(_HostCheck, allowed=hosts or allowed_hosts("127.0.0.1"))
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        srv.requests.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):  # a bug of ours: the client sees no detail
+        err = internal_error(getattr(request.state, "rid", None) or "req-" + uuid.uuid4().hex[:24], exc)
+        return await api_error(request, err)
+
+    _routes(app, srv)
+    return app
+
+
+def _routes(app, srv: Server) -> None:
+    """The endpoints (see the module doc)."""
+    from fastapi import Request
+    from fastapi.responses import PlainTextResponse
+    from prometheus_client import generate_latest
+
+    @app.get("/health")
+    async def health(request: Request):
+        if srv.api_key is None or not _key_ok(srv, request):  # figures only for a caller with the key
+            return {"status": "ok"}
+        return {"status": "ok", "model": srv.model_id, "queue": srv.in_flight}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _check_key(srv, request)
+        return {
+            "object": "list",
+            "data": [{"id": srv.model_id, "object": "model", "created": 0, "owned_by": "ensemble-llm"}],
+        }
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        _check_key(srv, request)
+        srv.kv_figures()
+        return PlainTextResponse(generate_latest(srv.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _handle(srv, request, "/v1/chat/completions", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _handle(srv, request, "/v1/completions", chat=False)
 
 
 def serve(
@@ -482,6 +731,10 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     max_queue: int = 64,
+    limits: Limits | None = None,
+    allowed: list[str] | tuple[str, ...] = (),
+    cors_origins: list[str] | tuple[str, ...] = (),
+    docs: bool = False,
     device: str = "auto",
     config: Any = None,
     placement: str = "local",
@@ -491,9 +744,20 @@ def serve(
     kv_budget: Any = "auto",
 ) -> None:
     """Load the ensemble (members in this process, or each in a Ray actor with placement="ray"),
-    then serve it until interrupted."""
+    then serve it until interrupted. `allowed`: Host names answered besides the loopback names and
+    `host` (see `allowed_hosts`)."""
     import uvicorn
 
+    _log_to_stderr()
+    hosts = allowed_hosts(host, list(allowed))
+    if host in ("0.0.0.0", "::") and not allowed:
+        log.warning(
+            "serving on every interface, but only these Host names are answered: %s; pass --allowed-host "
+            "NAME for each name (or address) clients use",
+            ", ".join(hosts),
+        )
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who reaches it can use it (set %s)", host, API_KEY_ENV)
     engine = Ensemble(
         members,
         method,
@@ -505,4 +769,17 @@ def serve(
         max_batch=max_batch,
         kv_budget=kv_budget,
     ).load()
-    uvicorn.run(create_app(engine, api_key=api_key, max_queue=max_queue), host=host, port=port, log_level="warning")
+    app = create_app(
+        engine, api_key=api_key, max_queue=max_queue, limits=limits, hosts=hosts, cors_origins=cors_origins, docs=docs
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _log_to_stderr() -> None:
+    """The server's own log lines (a request's failure under its id) on stderr, beside uvicorn's."""
+    logger = logging.getLogger("ensemble_llm")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)

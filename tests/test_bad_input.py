@@ -9,12 +9,15 @@ surrogates, control characters) come from hypothesis."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from typing import Optional
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from ensemble_llm import ConfigError, Ensemble, GenerationResult, ModelNotFoundError, RequestError, SafeConfig
 
@@ -28,6 +31,41 @@ TOOL = {
     },
 }
 CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+def _fmt(schema):
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def _doubling(levels):
+    """`levels` definitions each referring twice to the next (2-3 KB; unrolled: 2**levels copies)."""
+    defs = {f"d{levels}": {"type": "string"}}
+    for i in range(levels):
+        ref = {"$ref": f"#/$defs/d{i + 1}"}
+        defs[f"d{i}"] = {"type": "object", "properties": {"a": ref, "b": dict(ref)}, "required": ["a", "b"]}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _nested(levels):
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+NODE = {  # pydantic's schema of Node(name: str, child: Optional[Node]), child required
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
+            },
+            "required": ["name", "child"],
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
 
 
 def _tool(name="f", parameters=None, **extra):
@@ -71,6 +109,11 @@ def _expect(call, expected):
         f"unclear error: {type(info.value).__name__}: {info.value}"
     )
     return None
+
+
+class Node(BaseModel):
+    name: str
+    child: Optional["Node"]
 
 
 # ---- requests through the engine --------------------------------------------------------------
@@ -225,6 +268,41 @@ REQUESTS = [
     ),
     ("hi", {"tools": [TOOL], "tool_choice": "none", "max_new_tokens": 3}, OK),
     ("hi", {"tools": [TOOL], "tool_choice": "auto", "max_new_tokens": 3}, OK),
+    # a schema's size is bounded before anything else reads it (OpenAI's limits, and unrolling's node budget)
+    (
+        "hi",
+        {"response_format": _fmt(_doubling(16))},
+        (RequestError, r"response_format: the JSON Schema grows past 10000"),
+    ),
+    ("hi", {"response_format": _fmt(_doubling(24))}, (RequestError, "grows past 10000 JSON objects")),
+    (
+        "hi",
+        {"tools": [_tool("f", _doubling(20))], "tool_choice": "f"},
+        (RequestError, r"tool 'f': the JSON Schema grows"),
+    ),
+    ("hi", {"tools": [_tool("f", _doubling(20))], "max_new_tokens": 3}, OK),  # never unrolled: no call is forced
+    ("hi", {"response_format": _fmt(_nested(11))}, (RequestError, "nests objects 11 levels deep, more than the 10")),
+    ("hi", {"response_format": _fmt(_nested(10)), "max_new_tokens": 48}, OK),
+    ("hi", {"response_format": _fmt({"enum": list(range(1001))})}, (RequestError, "more than 1000 enum values")),
+    (
+        "hi",
+        {"response_format": _fmt({"type": "object", "properties": {f"p{i}": {} for i in range(5001)}})},
+        (RequestError, "more than 5000 object properties"),
+    ),
+    ("hi", {"response_format": _fmt({"enum": ["x" * 120_001]})}, (RequestError, "more than 120000 characters")),
+    ("hi", {"response_format": _fmt(json.loads('{"not": ' * 70 + "{}" + "}" * 70))}, (RequestError, "64 levels")),
+    (
+        "hi",
+        {"tools": [_tool("f", json.loads('{"not": ' * 70 + "{}" + "}" * 70))]},
+        (RequestError, "tool 'f'.*64 levels"),
+    ),
+    # structured output whose shortest document cannot fit the budget: refused, saying what it needs
+    (
+        "hi",
+        {"response_format": _fmt(NODE), "max_new_tokens": 8},
+        (RequestError, r"structured output \(json_schema\) needs at least \d+ tokens.*max_new_tokens\) is 8"),
+    ),
+    ("hi", {"response_format": _fmt(NODE), "max_new_tokens": 40}, OK),
 ]
 
 
@@ -432,11 +510,16 @@ def _lc_cases():
         (lambda llm: EnsembleLLM(members=["no-such-model"]), (ValidationError, "unknown model")),
         (lambda llm: EnsembleLLM(engine="not an engine"), (ValidationError, "engine")),
         (lambda llm: EnsembleLLM(engine=llm.engine, max_retries=2).invoke("hi"), OK),
+        (
+            lambda llm: EnsembleLLM(engine=llm.engine, max_tokens=8).with_structured_output(Node).invoke("A tree."),
+            (RequestError, r"structured output \(json_schema\) needs at least \d+ tokens.*is 8"),
+        ),
     ]
 
 
 def _li_cases():
     from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
     from llama_index.llms.ensemble_llm import EnsembleLLM
     from pydantic import ValidationError
 
@@ -462,10 +545,16 @@ def _li_cases():
         (lambda llm: EnsembleLLM(engine=llm.engine, max_retries=-1), (ValidationError, "max_retries")),
         (lambda llm: EnsembleLLM(members=[]), (ValidationError, "members is empty")),
         (lambda llm: EnsembleLLM(engine=llm.engine, max_retries=1).complete("hi"), OK),
+        (  # the issue's case: pydantic used to fail on a cut '{"name": "", "child": nul'
+            lambda llm: EnsembleLLM(engine=llm.engine, max_new_tokens=8).structured_predict(
+                Node, PromptTemplate("A tree named {name}."), name="root"
+            ),
+            (RequestError, r"structured output \(json_schema\) needs at least \d+ tokens.*is 8"),
+        ),
     ]
 
 
-N_LC, N_LI = 31, 18
+N_LC, N_LI = 32, 19
 
 
 @pytest.mark.parametrize("i", range(N_LC))

@@ -57,9 +57,12 @@ def client(server):
 def test_models_health_and_metrics(server, client):
     (model,) = client.models.list().data
     assert model.id.startswith("safe:")
-    assert httpx.get(server + "/health").json()["status"] == "ok"
+    assert httpx.get(server + "/health").json() == {"status": "ok"}  # no figures without the key
+    health = httpx.get(server + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert health["model"] == model.id and health["queue"] == 0
     client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    metrics = httpx.get(server + "/metrics").text
+    assert httpx.get(server + "/metrics").status_code == 401  # the key covers the metrics
+    metrics = httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "ensemble_requests_total" in metrics and "ensemble_queue_depth" in metrics
     # the KV budget ("auto": half the free RAM here), and nothing reserved between requests
     limit = [line for line in metrics.splitlines() if line.startswith('ensemble_kv_budget_bytes{device="cpu"}')]
@@ -69,7 +72,7 @@ def test_models_health_and_metrics(server, client):
 
 def test_chat_sync_stream_and_usage(client):
     res = client.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, seed=1
+        model="ensemble", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, seed=1
     )
     choice = res.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -78,7 +81,7 @@ def test_chat_sync_stream_and_usage(client):
     assert extra["method"] == "safe" and "members" in extra["stats"]
     chunks = list(
         client.chat.completions.create(
-            model="x",
+            model="ensemble",
             messages=[{"role": "user", "content": "Say hi."}],
             max_tokens=6,
             seed=1,
@@ -102,7 +105,7 @@ def test_chat_async(server):
         outs = await asyncio.gather(
             *[
                 aclient.chat.completions.create(
-                    model="x", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4
+                    model="ensemble", messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4
                 )
                 for i in range(3)
             ]
@@ -114,7 +117,7 @@ def test_chat_async(server):
 
 def test_forced_tool_call_and_history(client):
     res = client.chat.completions.create(
-        model="x",
+        model="ensemble",
         messages=[{"role": "user", "content": "Weather in Oslo?"}],
         tools=[WEATHER],
         tool_choice="required",
@@ -127,7 +130,7 @@ def test_forced_tool_call_and_history(client):
     jsonschema.validate(args, WEATHER["function"]["parameters"])
     # the call and its result go back as history
     follow = client.chat.completions.create(
-        model="x",
+        model="ensemble",
         max_tokens=4,
         tools=[WEATHER],
         messages=[
@@ -139,7 +142,7 @@ def test_forced_tool_call_and_history(client):
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
     streamed = list(
         client.chat.completions.create(
-            model="x",
+            model="ensemble",
             messages=[{"role": "user", "content": "Weather?"}],
             tools=[WEATHER],
             tool_choice="required",
@@ -153,7 +156,7 @@ def test_forced_tool_call_and_history(client):
 
 def test_response_format_json_schema(client):
     res = client.chat.completions.create(
-        model="x",
+        model="ensemble",
         messages=[{"role": "user", "content": "A person, as JSON."}],
         max_tokens=40,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
@@ -162,7 +165,7 @@ def test_response_format_json_schema(client):
 
 
 def test_completions_raw_prompt(client):
-    res = client.completions.create(model="x", prompt="Q: 2+2?\nA:", max_tokens=3, stop=["\n"])
+    res = client.completions.create(model="ensemble", prompt="Q: 2+2?\nA:", max_tokens=3, stop=["\n"])
     assert isinstance(res.choices[0].text, str) and "\n" not in res.choices[0].text
 
 
@@ -186,7 +189,7 @@ def test_completions_raw_prompt(client):
     ],
 )
 def test_bad_requests_are_400_naming_the_field(client, kwargs, status, param, code):
-    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
+    body = {"model": "safe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**body)
     err = info.value.body
@@ -195,18 +198,18 @@ def test_bad_requests_are_400_naming_the_field(client, kwargs, status, param, co
         assert err["param"] == param
     assert err.get("code") == code
     # the server keeps serving
-    assert client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
 def test_auth_and_timeout_status_codes(server, client):
     bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        bad.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        bad.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     r = httpx.post(
         server + "/v1/chat/completions",
         headers={"Authorization": f"Bearer {KEY}"},
         json={
-            "model": "x",
+            "model": "safe",
             "messages": [{"role": "user", "content": "Tell a long story."}],
             "max_tokens": 400,
             "timeout": 0.05,
@@ -218,7 +221,7 @@ def test_auth_and_timeout_status_codes(server, client):
 def test_queue_limit_gives_429_not_a_hang(server):
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 60}
+            body = {"model": "safe", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 60}
             rs = await asyncio.gather(
                 *[
                     c.post(server + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -238,7 +241,7 @@ def test_disconnected_stream_stops_its_request(server, client):
             server + "/v1/chat/completions",
             headers={"Authorization": f"Bearer {KEY}"},
             json={
-                "model": "x",
+                "model": "safe",
                 "messages": [{"role": "user", "content": "Tell a long story."}],
                 "max_tokens": 2000,
                 "stream": True,
@@ -247,7 +250,7 @@ def test_disconnected_stream_stops_its_request(server, client):
             for _ in r.iter_lines():
                 break  # one event, then the client goes away
     t = time.perf_counter()
-    res = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    res = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     # the abandoned 2000-token request no longer holds the engine
     assert res.choices[0].finish_reason in ("stop", "length") and time.perf_counter() - t < 20
 
@@ -358,7 +361,7 @@ def test_load_64_streaming_clients_health_stays_fast(tiny_dirs):
     one = Ensemble(pair, "safe", kv_budget="1GB").generate("Say hi.", max_new_tokens=4).stats["kv_reserved_bytes"]
     proc, base = start_server(pair, "safe", max_queue=256, extra=["--kv-budget", str(int(4.5 * one))])
     try:
-        body = {"model": "x", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
+        body = {"model": "safe", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "stream": True}
 
         async def one(c):
             text = ""
