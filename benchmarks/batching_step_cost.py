@@ -27,6 +27,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from ensemble_llm.members.headpad import describe, pad_rows  # noqa: E402
 from ensemble_llm.members.loader import load_member  # noqa: E402
+from ensemble_llm.members.options import MemberOptions  # noqa: E402
 from ensemble_llm.members.rowgroups import run_step  # noqa: E402
 from ensemble_llm.members.steps import BatchingConfig, Extend  # noqa: E402
 
@@ -97,7 +98,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows_out = []
     for name in args.models.split(","):
-        m = load_member(name, device="cpu", progress=False)
+        m = load_member(name, device="cpu", progress=False, options=MemberOptions(backend="transformers"))
         head = tuple(m.model.get_output_embeddings().weight.shape)
         r = {"member": name, "plans": {str(k): describe(v) for k, v in m.row_plans.items()}}
         r["head_plan"] = describe(m.row_plans.get(head))

@@ -339,7 +339,9 @@ def test_serve_with_ray_placement(cluster, tiny_pair):
     )
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-        res = client.chat.completions.create(model="ensemble", messages=[{"role": "user", "content": PROMPT}], max_tokens=10)
+        res = client.chat.completions.create(
+            model="ensemble", messages=[{"role": "user", "content": PROMPT}], max_tokens=10
+        )
         assert res.choices[0].message.content == want
     finally:
         proc.terminate()
