@@ -49,7 +49,8 @@ from ensemble_llm.members.rowgroups import run_prefills, run_step  # noqa: E402
 from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill  # noqa: E402
 
 DEFAULT = BatchingConfig()
-PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
+# these benches time the transformers steps (members/rowgroups.py)
+PAIR = [{"model": n, "backend": "transformers"} for n in ("smollm2-135m-instruct", "gemma-3-270m")]
 KINDS = ("prompt", "one", "multi")
 
 
@@ -246,7 +247,8 @@ def main() -> None:
     lines = [
         "# Continuous batching: where the time goes, and the ceiling of 8 clients over 1 on this machine",
         "",
-        f"Members: {', '.join(PAIR)} (single: the first). 16 chat requests, greedy, up to 32 tokens, in process, "
+        f"Members: {', '.join(p['model'] for p in PAIR)} on transformers (single: the first). 16 chat requests,"
+        " greedy, up to 32 tokens, in process, "
         f"2 CPU cores. `python benchmarks/batching_ceiling.py --methods {args.methods}` "
         f"({round((time.perf_counter() - t_start) / 60, 1)} min).",
         "",

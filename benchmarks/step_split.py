@@ -42,7 +42,8 @@ MODES = {
     "whole": BatchingConfig(sparse_head=False, split_columns=10**9),
 }
 DEFAULT = BatchingConfig()
-PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
+# these benches time the transformers steps (members/rowgroups.py)
+PAIR = [{"model": n, "backend": "transformers"} for n in ("smollm2-135m-instruct", "gemma-3-270m")]
 
 
 def set_mode(engine, mode: str) -> BatchingConfig:

@@ -126,3 +126,26 @@ def test_forward_counters(tiny_members):
     st = m.prefill([1, 2, 3])
     m.extend(st, [4])
     assert m.n_forward == n0 + 2 and m.forward_time > 0
+
+
+def test_members_loaded_at_once_hold_their_saved_weights(tiny_dirs):
+    """Ensemble loads its members in threads (loader.load_members); transformers' loads must not
+    overlap (its weight-initialisation switch is process-wide): each member's weights are the ones
+    saved, as a member loaded alone has them."""
+    from ensemble_llm.members.loader import clear_cache, load_member, load_members
+    from ensemble_llm.members.options import MemberOptions
+
+    folders = [tiny_dirs["smol"], tiny_dirs["gemma"], tiny_dirs["smol_short"]]
+    opts = [MemberOptions(backend="transformers")] * 3
+    alone = []
+    for f, o in zip(folders, opts):
+        clear_cache()
+        alone.append(load_member(f, device="cpu", dtype="float32", progress=False, options=o))
+    for _ in range(3):
+        clear_cache()
+        together = load_members(folders, ["cpu"] * 3, ["float32"] * 3, opts, False)
+        for a, b in zip(alone, together):
+            assert a is not b
+            for (name, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+                assert torch.equal(x, y), name
+    clear_cache()

@@ -283,6 +283,10 @@ def tokenizer_dir(name: str, cache_dir=None, progress: bool = True) -> Path:
 
 _CACHE: dict[tuple, Member] = {}
 _CACHE_LOCK = threading.Lock()
+# transformers' from_pretrained switches weight initialisation off through process-wide state
+# (its no_init_weights context): two loads in threads at once leave one model's weights
+# "newly initialized" (random), so transformers loads run one at a time (llama.cpp's do not)
+_HF_LOAD_LOCK = threading.Lock()
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 
 
@@ -436,7 +440,10 @@ def load_hf_member(
     )
     kwargs = {**placement_kwargs(dev, options), **quantization_kwargs(folder, dev, dt, options)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, trust_remote_code=trust_remote_code, **kwargs)
+        with _HF_LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dt, trust_remote_code=trust_remote_code, **kwargs
+            )
     except ImportError as exc:
         method = prequantized(folder)
         if method is None:
