@@ -173,7 +173,30 @@ def main() -> None:
         res[shots] = {"reliability": reliability(rows), "logistic": fit, **compare(rows, args.prior, rules)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "analysis.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    (args.out / "analysis.md").write_text(table(res, args))
+    print(table(res, args))
+
+
+def table(res: dict, args) -> str:
+    """analysis.json as Markdown: each rule's correct answers, against the best member and the router."""
+    lines = [f"# Weighting rules offline (`{args.examples}`, prior {args.prior})", ""]
+    for shots, r in res.items():
+        lines += [
+            f"## {shots} shots: {r['examples']} examples; SmolLM2 {r['smol']}, Gemma {r['gemma']},"
+            f" router {r['router']}, either right {r['oracle']}",
+            "",
+            "| rule | correct | vs best member, points (95%) | vs router, points (95%) |",
+            "|---|---|---|---|",
+        ]
+        for name, x in r["rules"].items():
+            b, t = x["vs_best"], x["vs_router"]
+            lines.append(
+                f"| {name} | {x['correct']} | {b['diff']:+.2f} ({b['low']:+.2f}..{b['high']:+.2f})"
+                f" | {t['diff']:+.2f} ({t['low']:+.2f}..{t['high']:+.2f}) |"
+            )
+        bins = ", ".join(f"{b['gap']}: {b['p_smol_right']} (n {b['n']})" for b in r["reliability"])
+        lines += ["", f"Reliability, P(SmolLM2 right | one member right) by evidence gap: {bins}", ""]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def test_score_prompt_matches_a_full_forward_and_hands_its_state_over(tiny_membe
 
 @pytest.mark.parametrize("method", ["unite", "safe", "specfuse"])
 def test_auto_weights_follow_the_prompt_and_cost_no_forward(tiny_dirs, method):
-    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method).load()
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method, config={"evidence": 1}).load()
     prior, _ = eng.member_weights("raw")
     res = eng.generate(FEW_SHOT, raw=True, max_new_tokens=4, stop=["\n"])
     ev = list(res.stats["evidence"].values())
@@ -109,6 +109,10 @@ def test_auto_weights_follow_the_prompt_and_cost_no_forward(tiny_dirs, method):
     r3 = eng.generate("What is the capital of Peru?", max_new_tokens=4)
     assert "evidence" not in r3.stats
     assert list(r3.stats["member_weights"].values()) == pytest.approx(eng.member_weights("chat")[0], abs=1e-4)
+    # the default (evidence 0): the calibrated prior, and no answer scored
+    default = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method).load()
+    r4 = default.generate(FEW_SHOT, raw=True, max_new_tokens=4, stop=["\n"])
+    assert "evidence" not in r4.stats and list(r4.stats["member_weights"].values()) == pytest.approx(prior, abs=1e-4)
 
 
 @pytest.mark.parametrize("method", ["unite", "specfuse"])
@@ -138,7 +142,7 @@ def test_smc_product_reads_the_evidence_but_keeps_equal_exponents(tiny_dirs, mon
     from ensemble_llm.calibrate import Calibrator
 
     monkeypatch.setattr(Calibrator, "weights", lambda self, *a, **k: [0.65, 0.35])
-    cfg = {"n_particles": 2, "max_bytes": 6}  # the byte budget ends both runs, whichever member is main
+    cfg = {"n_particles": 2, "max_bytes": 6, "evidence": 1}  # the byte budget ends both runs, whichever member is main
     eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config=cfg).load()
     prior, _ = eng.member_weights("raw")
     res = eng.generate(FEW_SHOT, raw=True, max_new_tokens=64)
@@ -163,7 +167,9 @@ def test_smc_product_follows_a_member_the_prior_finds_dominant(tiny_dirs, monkey
     from ensemble_llm.methods.smc import DOMINANT
 
     monkeypatch.setattr(Calibrator, "weights", lambda self, *a, **k: list(prior))
-    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={"n_particles": 2, "max_bytes": 6})
+    eng = Ensemble(
+        [tiny_dirs["smol"], tiny_dirs["gemma"]], method="smc", config={"n_particles": 2, "max_bytes": 6, "evidence": 1}
+    )
     res = eng.generate(FEW_SHOT, raw=True, max_new_tokens=64)
     post = posterior(prior, list(res.stats["evidence"].values()))
     want = post if prior[0] >= DOMINANT else [0.5, 0.5]
@@ -171,7 +177,7 @@ def test_smc_product_follows_a_member_the_prior_finds_dominant(tiny_dirs, monkey
 
 
 def test_chat_history_answers_are_evidence(tiny_dirs):
-    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="unite").load()
+    eng = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="unite", config={"evidence": 1}).load()
     msgs = [
         {"role": "user", "content": "Capital of France?"},
         {"role": "assistant", "content": "Paris."},
@@ -190,8 +196,8 @@ def test_concurrent_few_shot_requests_score_their_prompts_together(tiny_dirs, mo
 
     members = [tiny_dirs["smol"], tiny_dirs["gemma"]]
     prompts = [FEW_SHOT.replace("Peru", c) for c in ("Peru", "Chile", "Italy", "Kenya")]
-    one = Ensemble(members, method="unite", max_batch=1)
-    many = Ensemble(members, method="unite", max_batch=4).load()
+    one = Ensemble(members, method="unite", config={"evidence": 1}, max_batch=1)
+    many = Ensemble(members, method="unite", config={"evidence": 1}, max_batch=4).load()
     alone = [one.generate(p, raw=True, max_new_tokens=6, stop=["\n"]) for p in prompts]
     scored, forward = [], rowgroups._prefill_forward
 
@@ -264,7 +270,7 @@ def test_a_dominant_member_runs_alone_with_its_own_text_and_cost(real_dirs, plur
     0.6 the request is SmolLM2's own decode (its text, no other member's forward after the scoring
     prefill, the other member's scored state dropped); at the default 0.99 it is the ensemble."""
     smol, gemma = real_dirs[SMOL], real_dirs[GEMMA]
-    cfg = {"solo": 0.6, **({"n_particles": 2} if method == "smc" else {})}
+    cfg = {"solo": 0.6, "evidence": 1, **({"n_particles": 2} if method == "smc" else {})}
     eng = Ensemble([smol, gemma], method=method, config=cfg).load()
     dropped, forget = [], type(eng.members[1]).forget_prompt
 
@@ -287,7 +293,7 @@ def test_a_dominant_member_runs_alone_with_its_own_text_and_cost(real_dirs, plur
     assert figs[0]["prefills"] == 1  # the scored prompt's state was handed over
     assert dropped == [(eng.members[1].name, True, None)]  # its scored state is not left behind
     if method == "unite":  # the default solo weight is not reached on the pair: the ensemble runs
-        ens = Ensemble([smol, gemma], method="unite").load()
+        ens = Ensemble([smol, gemma], method="unite", config={"evidence": 1}).load()
         r2 = ens.generate(plural_prompt, raw=True, max_new_tokens=8, stop=["\n"])
         assert "solo" not in r2.stats and list(r2.stats["members"].values())[1]["forward_passes"] > 1
 
@@ -304,7 +310,7 @@ def test_solo_scores_only_the_main_member_when_no_evidence_could_change_it(tiny_
         before = [m.counters()[2] for m in members]
         notes = {}
         w, main = request_weights(
-            unite(members, unite.make_config({"solo": solo})),
+            unite(members, unite.make_config({"solo": solo, "evidence": 1})),
             members,
             FEW_SHOT,
             True,
