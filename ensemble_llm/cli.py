@@ -9,8 +9,9 @@ import shlex
 import sys
 import time
 
+from . import __version__, defaults
+
 DEFAULT_PROMPT = "What is the capital of France?"
-BEST_METHOD = "specfuse"  # the engine's default for 2+ members (DEFAULT_ENSEMBLE_METHOD); `generate`'s
 
 
 def _cmd_generate(args) -> int:
@@ -22,7 +23,7 @@ def _cmd_generate(args) -> int:
         engine = Ensemble(models, method=args.method, device=args.device, **_placement(args))
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, raw=args.raw)
         engine.check_request(args.prompt, **kw)  # a bad request fails here, before seconds of loading
-        print(f"[ensemble-llm] {args.method} over {', '.join(engine.model_names)}", file=sys.stderr, flush=True)
+        print(f"[ensemble-llm] {engine.method_name} over {', '.join(engine.model_names)}", file=sys.stderr, flush=True)
         engine.load()
         print(f"[ensemble-llm] models ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         if args.stream:
@@ -276,7 +277,8 @@ def _api_key(args) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-from .bench import DEFAULT_METHODS, DEFAULT_TASKS, SUITE  # noqa: E402  (light: no model code runs at import)
+from .bench.specs import DEFAULT_METHODS  # noqa: E402  (light: neither imports torch)
+from .bench.tasks import DEFAULT_TASKS, SUITE  # noqa: E402
 
 MODELS_HELP = "comma-separated members (default: the bundled pair)"
 
@@ -291,9 +293,13 @@ def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="answer a prompt with the ensemble")
     g.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     _add_members(g)
-    g.add_argument("--method", default=BEST_METHOD)
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument(
+        "--method",
+        default=None,
+        help=f"single, unite, safe, specfuse or smc (default: {defaults.ENSEMBLE_METHOD} for 2+ members, else single)",
+    )
+    g.add_argument("--max-new-tokens", type=int, default=defaults.MAX_NEW_TOKENS)
+    g.add_argument("--temperature", type=float, default=defaults.TEMPERATURE)
     g.add_argument("--seed", type=int, default=None)
     _add_placement(g)
     g.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
@@ -464,6 +470,7 @@ def _add_serve(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ensemble-llm", description="Ensembles of local causal LMs.")
+    p.add_argument("--version", action="version", version=f"ensemble-llm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_generate, _add_models, _add_bench, _add_bench_constraints, _add_serve):
         add(sub)

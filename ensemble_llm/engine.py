@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Sequence, Unpack
 
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
+from .defaults import ENSEMBLE_METHOD, method_for
 from .errors import ConfigError
 from .kvbudget import KVBudget
 from .members import DEFAULT_MODELS, Member
@@ -34,9 +35,7 @@ from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_ch
 from .tools import tool_policy
 from .worker import Worker
 
-# the default method for 2+ members: the one whose held-out gain over the best member has a 95%
-# interval above 0 and that is below no task's best member by more than noise (README, dev suite)
-DEFAULT_ENSEMBLE_METHOD = "specfuse"
+DEFAULT_ENSEMBLE_METHOD = ENSEMBLE_METHOD  # (defaults.py)
 
 __all__ = ["ENGINE_OPTIONS", "AsyncTextStream", "Ensemble", "GenerationResult", "TextStream"]
 
@@ -103,7 +102,7 @@ class Ensemble:
         self.placement, self.ray_address, self.member_resources = plan.kind, plan.ray_address, plan.member_resources
         self.devices, self.dtypes = plan.devices, plan.dtypes
         if method is None:
-            method = DEFAULT_ENSEMBLE_METHOD if len(members) > 1 else "single"
+            method = method_for(len(members))
         if not isinstance(method, str):
             raise ConfigError(f"method must be a method name (str), got {method!r}")
         self.method_name = method

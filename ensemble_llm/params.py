@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Any
 
 from .constraints import Constraint
+from .defaults import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from .errors import RequestError
 from .stopping import StopPolicy, stop_list
 from .tools import check_tool_choice, check_tools, tool_call_constraint
@@ -43,9 +44,9 @@ class GenerationParams:
     wrote which span, where the ensemble decided) in `result.stats["trace"]`.
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
+    max_new_tokens: int = MAX_NEW_TOKENS
+    temperature: float = TEMPERATURE
+    top_p: float = TOP_P
     seed: int | None = None
     stop: tuple[str, ...] = ()
     raw: bool = False
@@ -126,3 +127,24 @@ class GenerationParams:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(GenerationParams) if f.init)
+
+
+def call_params(call: dict[str, Any], model: dict[str, Any], stop: tuple[str, ...] | list[str]) -> GenerationParams:
+    """One call's GenerationParams as both facades build it: the call's settings over the model's
+    fields (`model`: max_new_tokens, temperature, top_p, seed, timeout, max_retries). The budget
+    is the call's `max_new_tokens`, else its `max_tokens` (OpenAI's and LangChain's name), else
+    the model's; `stop`: the model's and the call's stop strings, merged (`stop_list`)."""
+    budget = call.get("max_new_tokens", call.get("max_tokens", model["max_new_tokens"]))
+    return GenerationParams(
+        max_new_tokens=budget,
+        temperature=call.get("temperature", model["temperature"]),
+        top_p=call.get("top_p", model["top_p"]),
+        seed=call.get("seed", model["seed"]),
+        stop=tuple(stop),
+        timeout=model["timeout"],
+        max_retries=model["max_retries"],
+        tools=call.get("tools"),
+        tool_choice=call.get("tool_choice"),
+        response_format=call.get("response_format"),
+        trace=bool(call.get("trace", False)),
+    )

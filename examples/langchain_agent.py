@@ -37,7 +37,7 @@ def tool_then_answer(request, handler):
 
 
 def main(max_tokens: int = 48) -> dict:
-    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_tokens=max_tokens)
+    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], max_tokens=max_tokens)
     agent = create_agent(
         llm,
         tools=[get_population],

@@ -15,7 +15,7 @@ from langchain_ensemble_llm import EnsembleLLM  # noqa: E402
 
 
 def main(max_tokens: int = 48) -> dict:
-    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_tokens=max_tokens)
+    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], max_tokens=max_tokens)
     prompt = ChatPromptTemplate.from_messages([("system", "You are a concise assistant."), ("human", "{question}")])
     chain = prompt | llm | StrOutputParser()
     answer = chain.invoke({"question": "What is the capital of France?"})

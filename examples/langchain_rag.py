@@ -36,7 +36,7 @@ def embeddings():
 
 def main(question: str = "How tall is Mount Everest?", max_tokens: int = 40) -> dict:
     retriever = InMemoryVectorStore.from_documents(DOCS, embeddings()).as_retriever(search_kwargs={"k": 1})
-    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_tokens=max_tokens)
+    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], max_tokens=max_tokens)
     prompt = ChatPromptTemplate.from_messages(
         [
             ("system", "Answer the question using only this context:\n{context}"),

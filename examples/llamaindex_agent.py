@@ -26,7 +26,7 @@ def get_population(city: str) -> str:
 
 
 async def run(max_new_tokens: int = 48):
-    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_new_tokens=max_new_tokens)
+    llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], max_new_tokens=max_new_tokens)
     agent = FunctionAgent(
         tools=[FunctionTool.from_defaults(fn=get_population)],
         llm=llm,

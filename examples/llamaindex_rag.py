@@ -38,9 +38,7 @@ def embed_model():
 
 
 def main(max_new_tokens: int = 40) -> dict:
-    Settings.llm = EnsembleLLM(
-        members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe", max_new_tokens=max_new_tokens
-    )
+    Settings.llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], max_new_tokens=max_new_tokens)
     Settings.embed_model = embed_model()
     index = VectorStoreIndex.from_documents(DOCS, transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=16)])
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ensemble_llm"
 
 # floor -> modules (dotted, without the "ensemble_llm." prefix; "members" is members/__init__.py)
 FLOORS = {
-    0: {"errors", "results", "stopping", "streams"},
+    0: {"defaults", "errors", "results", "stopping", "streams"},
     1: {
         "members",
         "members.registry",
@@ -35,6 +35,7 @@ FLOORS = {
         "members.member",
         "members.bytelm",
         "members.loader",
+        "members.sources",
         "members.options",
         "members.hub",
         "members.plan",

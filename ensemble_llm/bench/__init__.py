@@ -22,26 +22,48 @@ run.py (`run_bench`), stats.py (pooled accuracy, paired bootstrap), report.py (r
 results.json), constraints.py (`ensemble-llm bench-constraints`).
 """
 
-from .report import comparison_markdown, markdown, plots, write
-from .run import SPEED_PROMPTS, PeakMemory, add_main_ratios, run_bench
-from .specs import DEFAULT_METHODS, MethodSpec, parse_methods
-from .stats import BOOTSTRAP, bootstrap_diff, compare_to_members, pooled
-from .tasks import (
-    BUNDLED_TASKS,
-    CHAT_TOKENS,
-    DEFAULT_TASKS,
-    INSTRUCTIONS,
-    SUITE,
-    bundled_task,
-    contains_answer,
-    is_chat_task,
-    load_task,
-    norm,
-    repeats,
-    resolve_task,
-    resolve_tasks,
-    task_prompts,
-)
+# the names load on first use (PEP 562), as the package's own do: the CLI reads the defaults
+# here (tasks.py, specs.py) without importing torch, so `ensemble-llm --help` stays fast
+_WHERE = {
+    "BOOTSTRAP": "stats",
+    "BUNDLED_TASKS": "tasks",
+    "CHAT_TOKENS": "tasks",
+    "DEFAULT_METHODS": "specs",
+    "DEFAULT_TASKS": "tasks",
+    "INSTRUCTIONS": "tasks",
+    "MethodSpec": "specs",
+    "PeakMemory": "run",
+    "SPEED_PROMPTS": "run",
+    "SUITE": "tasks",
+    "add_main_ratios": "run",
+    "bootstrap_diff": "stats",
+    "bundled_task": "tasks",
+    "compare_to_members": "stats",
+    "comparison_markdown": "report",
+    "contains_answer": "tasks",
+    "is_chat_task": "tasks",
+    "load_task": "tasks",
+    "markdown": "report",
+    "norm": "tasks",
+    "parse_methods": "specs",
+    "plots": "report",
+    "pooled": "stats",
+    "repeats": "tasks",
+    "resolve_task": "tasks",
+    "resolve_tasks": "tasks",
+    "run_bench": "run",
+    "task_prompts": "tasks",
+    "write": "report",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+
 
 __all__ = [
     "BOOTSTRAP",

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import ConfigError
-from ..methods import get_method
 
 # the defaults of `ensemble-llm bench`: about 35 minutes for the bundled pair on 2 CPU cores
 DEFAULT_METHODS = ("single", "unite", "safe", "specfuse", "smc:n_particles=4")
@@ -31,6 +30,8 @@ def _value(text: str) -> Any:
 
 def parse_methods(specs: Sequence[str], n_members: int) -> list[MethodSpec]:
     """'single' (one per member), 'single:member=1', 'smc:f=min,n_particles=4', 'safe', ..."""
+    from ..methods import get_method  # here, not at import: the CLI reads DEFAULT_METHODS without torch
+
     out: list[MethodSpec] = []
     for spec in specs:
         name, _, rest = spec.partition(":")

@@ -407,7 +407,7 @@ def _labels(dtype: torch.dtype, quantization: str | None, origin: str) -> tuple[
 def _member_row(source, dev: torch.device, dt, opts: MemberOptions, cache_dir, context_tokens, free, slots):
     """One member's plan row. On llama.cpp a GGUF's weights are the file (mapped as it is, at its own
     quantization) and its KV cache is float16, its context's cells for `slots` requests."""
-    from .loader import LLAMA_CONTEXT, gguf_file, resolve_backend
+    from .sources import LLAMA_CONTEXT, gguf_file, resolve_backend
 
     if resolve_backend(source, opts) == "llama.cpp":
         path = gguf_file(source, cache_dir, progress=False, revision=opts.revision)

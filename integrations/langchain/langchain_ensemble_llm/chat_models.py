@@ -31,10 +31,11 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from ensemble_llm import Ensemble, GenerationParams, RequestError
+from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
 from ensemble_llm.chat import content_text
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
+from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
 from ensemble_llm.stopping import stop_list
 from ensemble_llm.tools import check_tool_choice
@@ -117,7 +118,7 @@ class EnsembleLLM(BaseChatModel):
         ```python
         from langchain_ensemble_llm import EnsembleLLM
 
-        llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe")
+        llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"])  # specfuse, the default for 2+ members
         llm.invoke("What is the capital of France?")
         ```
 
@@ -153,10 +154,10 @@ class EnsembleLLM(BaseChatModel):
     """KV-cache bytes the running requests may hold per device; others wait, one that never fits is refused
     ("auto": 90% of free GPU memory, half the free RAM; "2GB"; None: no limit)."""
 
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=defaults.TEMPERATURE, ge=0.0)
     """0 = greedy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=256, gt=0)
+    max_tokens: int = Field(default=defaults.MAX_NEW_TOKENS, gt=0)
     """Most new tokens per reply (the drafter's tokens)."""
     stop: list[str] | None = None
     seed: int | None = None
@@ -338,21 +339,15 @@ class EnsembleLLM(BaseChatModel):
             )
         # a string is ONE stop string (as in LlamaIndex and OpenAI), never its characters
         stops = stop_list(self.stop, stop)  # duplicates are harmless: StopMatcher drops them
-        return GenerationParams(
-            **{
-                "max_new_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens)),
-                "temperature": kwargs.get("temperature", self.temperature),
-                "top_p": kwargs.get("top_p", self.top_p),
-                "seed": kwargs.get("seed", self.seed),
-                "stop": stops,
-                "timeout": self.timeout,
-                "max_retries": 0 if self.base_url is not None else self.max_retries,
-                "tools": kwargs.get("tools"),
-                "tool_choice": kwargs.get("tool_choice"),
-                "response_format": kwargs.get("response_format"),
-                "trace": bool(kwargs.get("trace", False)),
-            }
-        )
+        model_fields = {
+            "max_new_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "timeout": self.timeout,
+            "max_retries": 0 if self.base_url is not None else self.max_retries,
+        }
+        return call_params(kwargs, model_fields, stops)  # the core's one builder (its precedence)
 
     def _metadata(self, result: GenerationResult) -> dict[str, Any]:
         return {

@@ -28,9 +28,10 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from ensemble_llm import Ensemble, GenerationParams, RequestError
+from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
+from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
 from ensemble_llm.stopping import stop_list
 from ensemble_llm.tools import check_tool_choice
@@ -105,7 +106,7 @@ class EnsembleLLM(FunctionCallingLLM):
         from llama_index.core import Settings
         from llama_index.llms.ensemble_llm import EnsembleLLM
 
-        Settings.llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"], method="safe")
+        Settings.llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"])
         ```
 
     Constructor arguments are those of `ensemble_llm.Ensemble` plus sampling fields. Nothing loads
@@ -159,9 +160,9 @@ class EnsembleLLM(FunctionCallingLLM):
             'fits is refused ("auto": 90% of free GPU memory, half the free RAM; "2GB"; None: no limit).'
         ),
     )
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    temperature: float = Field(default=defaults.TEMPERATURE, ge=0.0, description="0 = greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(default=256, gt=0, description="Most new tokens per reply.")
+    max_new_tokens: int = Field(default=defaults.MAX_NEW_TOKENS, gt=0, description="Most new tokens per reply.")
     stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
     seed: Optional[int] = Field(default=None)
     timeout: Optional[float] = Field(default=None, gt=0, description="Seconds a call may run.")
@@ -238,21 +239,16 @@ class EnsembleLLM(FunctionCallingLLM):
             raise TypeError(
                 f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; it takes {sorted(_CALL_KEYS)}."
             )
-        return GenerationParams(
-            **{
-                "max_new_tokens": kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
-                "temperature": kwargs.get("temperature", self.temperature),
-                "top_p": kwargs.get("top_p", self.top_p),
-                "seed": kwargs.get("seed", self.seed),
-                "stop": stop_list(self.stop, kwargs.get("stop")),  # duplicates are harmless: StopMatcher drops them
-                "timeout": self.timeout,
-                "max_retries": 0 if self.base_url is not None else self.max_retries,
-                "tools": kwargs.get("tools"),
-                "tool_choice": kwargs.get("tool_choice"),
-                "response_format": kwargs.get("response_format"),
-                "trace": bool(kwargs.get("trace", False)),
-            }
-        )
+        model_fields = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "timeout": self.timeout,
+            "max_retries": 0 if self.base_url is not None else self.max_retries,
+        }
+        # the core's one builder (its precedence); a string stop is ONE stop string
+        return call_params(kwargs, model_fields, stop_list(self.stop, kwargs.get("stop")))
 
     def _raw(self, result: GenerationResult) -> dict[str, Any]:
         return {
