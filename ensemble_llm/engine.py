@@ -22,7 +22,7 @@ from .defaults import ENSEMBLE_METHOD, method_for
 from .errors import ConfigError
 from .kvbudget import KVBudget
 from .members import DEFAULT_MODELS, Member
-from .members.loader import config_window, load_members, local_dir
+from .members.loader import config_window, load_members, local_dir, release_members
 from .members.plan import MemoryPlan, plan_members
 from .members.scheduler import StepScheduler
 from .methods import get_method
@@ -176,6 +176,21 @@ class Ensemble:
                 for kind in ("chat", "raw"):  # "auto" weights: calibrated (or read from the cache) now
                     self.member_weights(kind)
         return self
+
+    def close(self) -> None:
+        """Free the members (the next request loads them again); `with Ensemble(...) as engine:` calls it."""
+        self._worker.wait_idle(5.0)  # a request that just answered: its thread lets go of the members
+        with self._load_lock, _SHARED_LOCK:
+            members, self._members, self._method = self._members, None, None
+            for key in [k for k, e in _SHARED.items() if e is self]:
+                del _SHARED[key]
+        release_members(members or [])
+
+    def __enter__(self) -> "Ensemble":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def plan(self, context_tokens: int | None = None) -> MemoryPlan:
         """Weights + KV per member and device, read from files (members/plan.py); load() checks it."""

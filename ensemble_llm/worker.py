@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable
 
 from .errors import EnsembleError, GenerationError, RequestCancelled
@@ -65,8 +66,19 @@ class Worker:
                     sink("error", GenerationError(f"generation stopped: {type(exc).__name__}: {exc}"))
                     raise
             finally:
+                job = sink = cancel = None  # an idle thread keeps no request (nor its members) alive
                 with self._lock:
                     self._open -= 1
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until no job is open (close(): the threads let go of the members)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._open == 0:
+                    return True
+            time.sleep(0.005)
+        return False
 
     def attempts(self, job: Job, sink: Sink, cancel: threading.Event) -> GenerationResult:
         """Run the request; an internal fault (GenerationError) is retried up to

@@ -296,3 +296,22 @@ def test_budget_never_ends_in_a_replacement_character(engine):
     for n in range(1, 6):
         res = engine.generate("Write one sentence about 東京 and München.", max_new_tokens=n, temperature=1.0, seed=n)
         assert not res.text.endswith("\ufffd")
+
+
+def test_close_frees_the_members_and_a_later_request_loads_them_again(tiny_dirs):
+    import gc
+    import weakref
+
+    from ensemble_llm.members.loader import clear_cache
+
+    clear_cache()  # members of its own: other tests' engines hold the cached ones
+    with Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="unite", config={"weights": None}) as eng:
+        first = eng.generate("Hi", max_new_tokens=3).text
+        refs = [weakref.ref(m) for m in eng.members]
+    gc.collect()
+    assert all(r() is None for r in refs)  # no cache, engine or method keeps them
+    assert eng.generate("Hi", max_new_tokens=3).text == first  # loaded again
+    eng.close()
+    shared = Ensemble.shared([tiny_dirs["smol"]])
+    shared.close()
+    assert Ensemble.shared([tiny_dirs["smol"]]) is not shared  # a closed shared engine is not handed out

@@ -376,6 +376,36 @@ def load_members(specs: Sequence, devices: Sequence, dtypes: Sequence, options: 
         return [f.result() for f in futures]
 
 
+def release_members(members: list) -> None:
+    """Drop these members from the cache and empty the list (an engine's close()): their memory is
+    freed once no other engine holds them (a llama.cpp member frees its model and context when its
+    runner goes)."""
+    import gc
+
+    held = {id(m) for m in members}
+    with _CACHE_LOCK:
+        for key in [k for k, m in _CACHE.items() if id(m) in held]:
+            del _CACHE[key]
+    members.clear()
+    for _ in range(3):  # a method's cycles hold the members, and the members' own cycles their tensors
+        if not gc.collect():
+            break
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand the freed heap back to the OS (glibc keeps it in its arenas otherwise: measured on the
+    bundled pair, 731 MiB resident after close() against 333 MiB after the trim)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows, musl): nothing to trim
+        pass
+
+
 def clear_cache() -> None:
     """Forget every loaded member (frees memory once no engine holds them)."""
     with _CACHE_LOCK:
