@@ -1,0 +1,90 @@
+"""Writes docs/index.md from the README, and the benchmark study pages of the docs site
+(docs/benchmarks/) from the committed results:
+each page is the study's own table (the bench wrote it from its JSON) under a short note on what
+the study asks. tests/test_docs.py checks that the committed pages are what this writes.
+
+    python benchmarks/docs_pages.py
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# page: (title, what the study asks, its tables under benchmarks/results/)
+STUDIES = {
+    "weights": (
+        "Per-request weights on the tune half",
+        "Which member weights a request should use: the calibrated prior alone, the prior moved by how "
+        "well each member explains the answers the prompt shows (the per-request posterior), uniform, "
+        "or the evidence shrunk or gated. Offline, on the tune half of the BIG-bench split and the dev "
+        "suite (`benchmarks/weights_reliability.py` collects each member's answer and scores, "
+        "`benchmarks/weights_analysis.py` compares the rules on specfuse's choice between the answers). "
+        "The prior alone was chosen as the default (`evidence=0`).",
+        ["weights_tune/tune/analysis.md", "weights_tune/dev/analysis.md"],
+    ),
+    "outside": (
+        "The outside half",
+        "The final candidates, scored once on the frozen outside half of the BIG-bench split (17 tasks "
+        "no choice was tuned on; `benchmarks/bigbench_split.py`), with each example's own drawn shots. "
+        "Pooled and per-task differences against the best member, with paired-bootstrap 95% intervals.",
+        ["outside_drawn/results.md"],
+    ),
+    "llama_quality": (
+        "llama.cpp against transformers on the dev suite",
+        "Whether running the members on llama.cpp (the bundled GGUFs at their own quantization) changes "
+        "what the methods answer, against the same members on transformers (fp32).",
+        ["llama_quality/results.md"],
+    ),
+}
+
+
+def demoted(markdown: str) -> str:
+    """A results table under a page title: every heading one level down, image paths made absolute
+    to the repository (the site links the committed plots there)."""
+    out = []
+    fence = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        if not fence and re.match(r"^#{1,5} ", line):
+            line = "#" + line
+        out.append(line)
+    return "\n".join(out)
+
+
+def page(name: str) -> str:
+    title, note, tables = STUDIES[name]
+    parts = [f"# {title}", "", note, ""]
+    for rel in tables:
+        path = RESULTS / rel
+        if path.is_file():
+            parts += [f"From `benchmarks/results/{rel}`:", "", demoted(path.read_text()), ""]
+        else:
+            parts += [f"`benchmarks/results/{rel}` is not committed yet.", ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def index_page() -> str:
+    """docs/index.md: the README, its links made relative to the site."""
+    text = (ROOT / "README.md").read_text()
+    text = text.replace("benchmarks/results/pair/quality_vs_time.png", "img/quality_vs_time.png")
+    text = re.sub(r"\]\(docs/([^)]*)\)", r"](\1)", text)
+    text = re.sub(r"`docs/([^`]*\.md)`", r"[\1](\1)", text)
+    return text.replace(" Contributors: `CONTRIBUTING.md`;\nchanges: `CHANGELOG.md`.", "")
+
+
+def main() -> None:
+    (ROOT / "docs" / "index.md").write_text(index_page())
+    out = ROOT / "docs" / "benchmarks"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in STUDIES:
+        (out / f"{name}.md").write_text(page(name))
+        print(out / f"{name}.md")
+
+
+if __name__ == "__main__":
+    main()
