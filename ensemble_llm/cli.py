@@ -23,9 +23,11 @@ def _cmd_generate(args) -> int:
         engine = Ensemble(models, method=args.method, device=args.device, **_placement(args))
         kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, raw=args.raw)
         engine.check_request(args.prompt, **kw)  # a bad request fails here, before seconds of loading
-        print(f"[ensemble-llm] {engine.method_name} over {', '.join(engine.model_names)}", file=sys.stderr, flush=True)
+        if args.verbose:
+            print(f"[ensemble-llm] {engine.method_name} over {', '.join(engine.model_names)}", file=sys.stderr)
         engine.load()
-        print(f"[ensemble-llm] models ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        if args.verbose:
+            print(f"[ensemble-llm] models ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         if args.stream:
             stream = engine.stream(args.prompt, **kw)
             for delta in stream:
@@ -303,6 +305,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=int, default=None)
     _add_placement(g)
     g.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
+    g.add_argument("-v", "--verbose", action="store_true", help="say which method and members run, and the load time")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--stats", action="store_true", help="print usage and stats as JSON on stderr")
     g.set_defaults(func=_cmd_generate)
@@ -477,11 +480,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet() -> None:
+    """No third-party chatter: transformers' "Loading weights" bars, and the warnings libraries log
+    when imported (torchao's optional kernels, torch's pytree notices). Errors still raise."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if not getattr(args, "verbose", True):  # generate: the answer only (our own download bars stay)
+        _quiet()
     return args.func(args)
 
 

@@ -59,6 +59,16 @@ def test_both_facades_build_the_same_params_from_the_same_call(tiny_dirs, call):
 def test_cli_generate_with_one_member_runs_single(tiny_dirs, capsys):
     from ensemble_llm.cli import main
 
-    assert main(["generate", "Say hi.", "--models", str(tiny_dirs["smol"]), "--max-new-tokens", "3", "--stats"]) == 0
+    assert main(["generate", "Say hi.", "--models", str(tiny_dirs["smol"]), "--max-new-tokens", "3", "-v"]) == 0
     out = capsys.readouterr()
     assert "[ensemble-llm] single over" in out.err
+
+
+def test_cli_generate_prints_only_the_answer_by_default(tiny_dirs):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ensemble_llm", "generate", "Hi", "--models", str(tiny_dirs["smol"])]
+    out = subprocess.run([*cmd, "--max-new-tokens", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout  # (the tiny random model answers with whitespace)
+    assert out.stderr == ""  # no status lines, warnings or loading bars without -v
