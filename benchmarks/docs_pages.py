@@ -31,7 +31,15 @@ STUDIES = {
         "The final candidates, scored once on the frozen outside half of the BIG-bench split (17 tasks "
         "no choice was tuned on; `benchmarks/bigbench_split.py`), with each example's own drawn shots. "
         "Pooled and per-task differences against the best member, with paired-bootstrap 95% intervals.",
-        ["outside_drawn/results.md"],
+        ["outside_drawn/report.md", "outside_drawn/results.md"],
+    ),
+    "llama_speed": (
+        "llama.cpp members: speed side by side",
+        "The bundled models on llama.cpp against what a user would run instead, in one run: "
+        "llama-cpp-python's own `Llama.__call__` for one model, and every method on transformers; "
+        "eight clients against one; the engine's ceiling (llama.cpp's batched decode of 8 sequences "
+        "over 1). `python benchmarks/llama_speed.py`.",
+        ["llama_speed/results.md"],
     ),
     "llama_quality": (
         "llama.cpp against transformers on the dev suite",
@@ -77,8 +85,31 @@ def index_page() -> str:
     return text.replace(" Contributors: `CONTRIBUTING.md`;\nchanges: `CHANGELOG.md`.", "")
 
 
+def cli_page() -> str:
+    """docs/cli.md: every command's --help, read from the parser itself (so it cannot drift)."""
+    import argparse
+    import os
+
+    from ensemble_llm.cli import build_parser
+
+    os.environ["COLUMNS"] = "100"  # the same wrapping wherever it is written
+    parser = build_parser()
+    parts = ["# CLI reference", "", "Written from `ensemble-llm --help` by `benchmarks/docs_pages.py`.", ""]
+
+    def walk(p: argparse.ArgumentParser, name: str) -> None:
+        parts.extend([f"## `{name}`", "", "```text", p.format_help().rstrip(), "```", ""])
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    walk(subparser, f"{name} {sub}")
+
+    walk(parser, "ensemble-llm")
+    return "\n".join(parts).rstrip() + "\n"
+
+
 def main() -> None:
     (ROOT / "docs" / "index.md").write_text(index_page())
+    (ROOT / "docs" / "cli.md").write_text(cli_page())
     out = ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
     for name in STUDIES:

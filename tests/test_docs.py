@@ -38,6 +38,7 @@ def test_benchmark_pages_are_written_from_the_committed_results():
     import docs_pages
 
     assert (ROOT / "docs" / "index.md").read_text() == docs_pages.index_page(), "run python benchmarks/docs_pages.py"
+    assert (ROOT / "docs" / "cli.md").read_text() == docs_pages.cli_page(), "run python benchmarks/docs_pages.py"
     for name in docs_pages.STUDIES:
         assert (ROOT / "docs" / "benchmarks" / f"{name}.md").read_text() == docs_pages.page(name), (
             f"docs/benchmarks/{name}.md is stale: run python benchmarks/docs_pages.py"
