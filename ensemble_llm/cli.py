@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -14,28 +15,72 @@ from . import __version__, defaults
 DEFAULT_PROMPT = "What is the capital of France?"
 
 
+def member_specs(text: str | None) -> list | None:
+    """--models: comma-separated names, or a JSON list of names and member dicts
+    ('[{"model": "gemma-3-270m", "backend": "transformers"}]'); None: the default members."""
+    from .errors import ConfigError
+
+    if not text:
+        return None
+    text = text.strip()
+    if not text.startswith("["):
+        return text.split(",")
+    try:
+        members = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--models is not valid JSON ({exc}); pass names a,b or a JSON list of members") from None
+    if not isinstance(members, list) or not members:
+        raise ConfigError("--models as JSON must be a non-empty list of names or member dicts")
+    return members
+
+
+def method_config(text: str | None) -> dict | None:
+    """--method-config: the method's options as a JSON object, e.g. '{"segment_len": 8}'."""
+    from .errors import ConfigError
+
+    if not text:
+        return None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--method-config is not valid JSON ({exc}); pass e.g. '{{\"segment_len\": 8}}'") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("--method-config must be a JSON object of the method's options")
+    return cfg
+
+
+def _generate_request(args) -> tuple:
+    """generate's prompt (with --system, a chat) and its settings."""
+    prompt = args.prompt
+    if args.system is not None:
+        prompt = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return prompt, {**kw, "raw": args.raw, "stop": tuple(args.stop)}
+
+
 def _cmd_generate(args) -> int:
     from . import Ensemble, EnsembleError
 
-    models = args.models.split(",") if args.models else None
     try:
         t0 = time.perf_counter()
-        engine = Ensemble(models, method=args.method, device=args.device, **_placement(args))
-        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, raw=args.raw)
-        engine.check_request(args.prompt, **kw)  # a bad request fails here, before seconds of loading
+        models, config = member_specs(args.models), method_config(args.method_config)
+        place = _placement(args)
+        engine = Ensemble(models, method=args.method, config=config, device=args.device, dtype=args.dtype, **place)
+        prompt, kw = _generate_request(args)
+        engine.check_request(prompt, **kw)  # a bad request fails here, before seconds of loading
         if args.verbose:
             print(f"[ensemble-llm] {engine.method_name} over {', '.join(engine.model_names)}", file=sys.stderr)
         engine.load()
         if args.verbose:
             print(f"[ensemble-llm] models ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         if args.stream:
-            stream = engine.stream(args.prompt, **kw)
+            stream = engine.stream(prompt, **kw)
             for delta in stream:
                 print(delta, end="", flush=True)
             print()
             result = stream.result
         else:
-            result = engine.generate(args.prompt, **kw)
+            result = engine.generate(prompt, **kw)
             print(result.text)
     except EnsembleError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -228,9 +273,9 @@ def _cmd_serve(args) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    models = args.models.split(",") if args.models else None
     limits = Limits(body_bytes=int(args.max_body_mb * 2**20), check_seconds=args.check_timeout)
     try:
+        models = member_specs(args.models)
         print(f"[ensemble-llm] loading; then serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         serve(
             models,
@@ -302,7 +347,12 @@ def _add_generate(sub) -> None:
     )
     g.add_argument("--max-new-tokens", type=int, default=defaults.MAX_NEW_TOKENS)
     g.add_argument("--temperature", type=float, default=defaults.TEMPERATURE)
+    g.add_argument("--top-p", type=float, default=defaults.TOP_P)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeat for several)")
+    g.add_argument("--system", default=None, help="a system message before the prompt")
+    g.add_argument("--method-config", default=None, help="the method's options as JSON, e.g. '{\"segment_len\": 8}'")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
     _add_placement(g)
     g.add_argument("--raw", action="store_true", help="use the prompt as is (no chat template)")
     g.add_argument("-v", "--verbose", action="store_true", help="say which method and members run, and the load time")
@@ -480,15 +530,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _quiet() -> None:
-    """No third-party chatter: transformers' "Loading weights" bars, and the warnings libraries log
-    when imported (torchao's optional kernels, torch's pytree notices). Errors still raise."""
+@contextlib.contextmanager
+def _quiet():
+    """No third-party chatter while a command runs: transformers' "Loading weights" bars, and the
+    warnings libraries log when imported (torchao's optional kernels, torch's pytree notices).
+    Errors still raise; what it changes is put back after (main() may run inside a process)."""
     import logging
     import warnings
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    before_level, before_bars = logging.root.manager.disable, os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before_level)
+        if before_bars is None:
+            os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+        else:
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = before_bars
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,9 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    if not getattr(args, "verbose", True):  # generate: the answer only (our own download bars stay)
-        _quiet()
-    return args.func(args)
+    if getattr(args, "verbose", True):
+        return args.func(args)
+    with _quiet():  # generate: the answer only (our own download bars stay)
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -72,3 +72,22 @@ def test_cli_generate_prints_only_the_answer_by_default(tiny_dirs):
     out = subprocess.run([*cmd, "--max-new-tokens", "3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout  # (the tiny random model answers with whitespace)
     assert out.stderr == ""  # no status lines, warnings or loading bars without -v
+
+
+def test_cli_generate_takes_member_dicts_method_config_system_and_stops(tiny_dirs, capsys):
+    import json
+
+    from ensemble_llm.cli import main
+
+    members = json.dumps([{"model": str(tiny_dirs["smol"]), "backend": "transformers"}, str(tiny_dirs["gemma"])])
+    argv = ["generate", "Say hi.", "--models", members, "--method", "unite", "--max-new-tokens", "4", "--stats"]
+    argv += ["--method-config", '{"weights": null}', "--system", "Be brief.", "--stop", "\n", "--top-p", "0.9"]
+    assert main([*argv, "--no-stream"]) == 0
+    err = capsys.readouterr().err
+    stats = json.loads(err[err.index("{") :])
+    assert list(stats["stats"]["member_weights"].values()) == [0.5, 0.5]  # the config's uniform weights
+    assert stats["usage"]["completion_tokens"] <= 4
+    assert main(["generate", "hi", "--models", "[", "--max-new-tokens", "2"]) == 2
+    assert "--models is not valid JSON" in capsys.readouterr().err
+    assert main(["generate", "hi", "--method-config", "[1]"]) == 2
+    assert "--method-config must be a JSON object" in capsys.readouterr().err
