@@ -166,11 +166,10 @@ def _cmd_models_plan(args) -> int:
     from .engine import Ensemble
     from .errors import EnsembleError
 
-    text = args.models.strip()
-    members = json.loads(text) if text.startswith("[") else text.split(",")
     devices = args.device.split(",") if "," in args.device else args.device
     try:
-        engine = Ensemble(members, method="single" if len(members) == 1 else None, device=devices, dtype=args.dtype)
+        members = member_specs(args.models)
+        engine = Ensemble(members, device=devices, dtype=args.dtype)  # the default method for the count
         plan = engine.plan(context_tokens=args.context)
         print(plan.table())
         plan.check()
