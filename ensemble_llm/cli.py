@@ -326,7 +326,7 @@ def _api_key(args) -> str | None:
 from .bench.specs import DEFAULT_METHODS  # noqa: E402  (light: neither imports torch)
 from .bench.tasks import DEFAULT_TASKS, SUITE  # noqa: E402
 
-MODELS_HELP = "comma-separated members (default: the bundled pair)"
+MODELS_HELP = "comma-separated members, or a JSON list of names and member dicts (default: the bundled pair)"
 
 
 def _add_members(p: argparse.ArgumentParser) -> None:
