@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 SMOL = "smollm2-135m-instruct"
@@ -106,7 +107,7 @@ def start_server(
             "ensemble_llm",
             "serve",
             "--models",
-            ",".join(models),
+            json.dumps(models) if any(isinstance(m, dict) for m in models) else ",".join(models),
             "--method",
             method,
             "--port",
