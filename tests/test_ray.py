@@ -167,8 +167,10 @@ def test_ray_few_shot_requests_at_once_score_their_prompts_together(cluster, tin
     from ensemble_llm.ray import member as ray_member
 
     prompts = [FEW_SHOT.format(c) for c in ("Peru", "Chile", "Italy", "Kenya")]
-    one = Ensemble(tiny_pair, "unite", max_batch=1, progress=False)
-    many = Ensemble(tiny_pair, "unite", max_batch=4, progress=False, placement="ray", member_resources=RES).load()
+    one = Ensemble(tiny_pair, "unite", {"evidence": 1}, max_batch=1, progress=False)
+    many = Ensemble(
+        tiny_pair, "unite", {"evidence": 1}, max_batch=4, progress=False, placement="ray", member_resources=RES
+    ).load()
     alone = [one.generate(p, raw=True, max_new_tokens=6, stop=["\n"]) for p in prompts]
     scored, run_batch = [], ray_member.RayMember.run_batch
 
