@@ -10,6 +10,21 @@ GEMMA = "gemma-3-270m"
 # the bundled pair on transformers (a GGUF member's default is llama.cpp): for tests of transformers'
 # own caches or of figures measured on its numerics
 HF_PAIR = [{"model": SMOL, "backend": "transformers"}, {"model": GEMMA, "backend": "transformers"}]
+# pydantic's schema of Node(name: str, child: Optional[Node]), child required: a recursive model
+# whose shortest valid document needs more than a few tokens
+NODE_SCHEMA = {
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
+            },
+            "required": ["name", "child"],
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
 
 
 # every method on the tiny models, with uniform weights (and 2 particles for smc): (method, config)
@@ -93,9 +108,6 @@ def start_server(
     import socket
     import subprocess
     import sys
-    import time
-
-    import httpx
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -121,15 +133,24 @@ def start_server(
     proc = subprocess.Popen(
         cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    base = f"http://127.0.0.1:{port}"
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", timeout, proc.stdout.read)
+
+
+def wait_healthy(proc, base: str, timeout: float, output) -> str:
+    """`base` once the server process answers /health; `output()` gives its output for the error
+    when it exits first or does not come up in `timeout` seconds."""
+    import time
+
+    import httpx
+
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("the server exited:\n" + proc.stdout.read())
+            raise RuntimeError("the server exited:\n" + output())
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
+                return base
         except httpx.HTTPError:
             time.sleep(0.3)
     proc.kill()
-    raise RuntimeError(f"the server did not come up in {timeout:.0f} s")
+    raise RuntimeError(f"the server did not come up in {timeout:.0f} s:\n" + output())

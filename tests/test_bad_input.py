@@ -15,6 +15,7 @@ import re
 from typing import Optional
 
 import pytest
+from helpers import NODE_SCHEMA
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
@@ -53,19 +54,7 @@ def _nested(levels):
     return schema
 
 
-NODE = {  # pydantic's schema of Node(name: str, child: Optional[Node]), child required
-    "$defs": {
-        "Node": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string"},
-                "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
-            },
-            "required": ["name", "child"],
-        }
-    },
-    "$ref": "#/$defs/Node",
-}
+NODE = NODE_SCHEMA  # pydantic's schema of Node(name: str, child: Optional[Node]), child required
 
 
 def _tool(name="f", parameters=None, **extra):

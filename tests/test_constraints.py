@@ -13,7 +13,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_METHODS, tiny_pair_for
+from helpers import NODE_SCHEMA, TINY_METHODS, tiny_pair_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_smc import TableLM  # byte LMs over {a, b} whose distribution can be enumerated
@@ -433,19 +433,7 @@ def test_a_token_the_grammar_must_extend_lends_its_mass_to_the_longer_token(tiny
 
 
 def test_recursive_definitions_are_bounded_only_where_an_alternative_remains():
-    node = {
-        "$defs": {
-            "Node": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
-                },
-                "required": ["name", "child"],
-            }
-        },
-        "$ref": "#/$defs/Node",
-    }
+    node = NODE_SCHEMA
     c = Constraint.json_schema(node)
 
     def tree(depth):

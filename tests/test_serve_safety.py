@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from helpers import NODE_SCHEMA, wait_healthy
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -57,17 +58,7 @@ def serve(args: list[str], log: Path, env: dict | None = None, launcher: Path | 
     cmd = [sys.executable, *entry, "serve", "--port", str(port), *args]
     out = open(log, "w")
     proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, stdout=out, stderr=out)
-    base, deadline = f"http://127.0.0.1:{port}", time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited:\n" + log.read_text())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"the server did not come up in {timeout:.0f} s:\n" + log.read_text())
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}", timeout, log.read_text)
 
 
 def stop(proc) -> None:
@@ -247,19 +238,7 @@ def test_refused_before_any_queue(server, what, how, status, param, phrase):
 
 def test_structured_output_that_cannot_fit_names_the_tokens_it_needs(server):
     """A recursive Node with a required child at 8 tokens: the shortest document needs more."""
-    node = {
-        "$defs": {
-            "Node": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]},
-                },
-                "required": ["name", "child"],
-            }
-        },
-        "$ref": "#/$defs/Node",
-    }
+    node = NODE_SCHEMA
     fmt = {"type": "json_schema", "json_schema": {"name": "node", "schema": node}}
     r = post(server, chat(response_format=fmt, max_tokens=8))
     assert r.status_code == 400, r.text
