@@ -205,12 +205,20 @@ class RemoteEnsemble:
     """An `Ensemble` served elsewhere (see the module doc)."""
 
     def __init__(
-        self, base_url: str, api_key: str | None = None, *, max_retries: int = 2, timeout: float | None = None
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        max_retries: int = 2,
+        timeout: float | None = None,
+        model: str = "ensemble",
     ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8000/v1', got {base_url!r}")
         self.base_url, self.api_key = base_url.rstrip("/"), api_key
-        self.max_retries, self.timeout = max_retries, timeout
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"model must be the served model's name (e.g. 'ensemble'), got {model!r}")
+        self.max_retries, self.timeout, self.model = max_retries, timeout, model
         self._sync = self._async = None
         self.method_name, self.model_names = "remote", []
 
@@ -243,7 +251,7 @@ class RemoteEnsemble:
             if not params.raw:
                 body["stream_options"] = {"include_usage": True}
         api = client.completions if params.raw else client.chat.completions
-        return api.create(model="ensemble", **body)
+        return api.create(model=self.model, **body)
 
     def _from_response(self, res: Any) -> GenerationResult:
         extra = (res.model_extra or {}).get("ensemble")

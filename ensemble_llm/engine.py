@@ -15,7 +15,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence, Unpack
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Unpack
 
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
 from .defaults import ENSEMBLE_METHOD, method_for
@@ -34,6 +34,13 @@ from .results import GenerationResult
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
 from .tools import tool_policy
 from .worker import Worker
+
+if TYPE_CHECKING:
+    import torch
+
+    from .methods import SafeConfig, SingleConfig, SmcConfig, SpecFuseConfig, UniteConfig
+
+    MethodConfig = SingleConfig | UniteConfig | SafeConfig | SpecFuseConfig | SmcConfig
 
 DEFAULT_ENSEMBLE_METHOD = ENSEMBLE_METHOD  # (defaults.py)
 
@@ -75,20 +82,20 @@ class Ensemble:
 
     def __init__(
         self,
-        members: Sequence[str] | None = None,
+        members: Sequence[str | os.PathLike[str] | dict[str, Any]] | str | None = None,
         method: str | None = None,
-        config: Any = None,
+        config: MethodConfig | dict[str, Any] | None = None,
         *,
-        device: Any = "auto",
-        dtype: Any = "auto",
-        cache_dir: str | os.PathLike | None = None,
+        device: str | torch.device | Sequence[str | torch.device] = "auto",
+        dtype: str | torch.dtype | Sequence[str | torch.dtype] = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
         trust_remote_code: bool = False,
         progress: bool = True,
-        placement: str = "local",
+        placement: Literal["local", "ray"] = "local",
         ray_address: str | None = None,
-        member_resources: Any = None,
-        max_batch: int | str = "auto",
-        kv_budget: Any = "auto",
+        member_resources: dict[str, float] | Sequence[dict[str, float]] | None = None,
+        max_batch: int | Literal["auto"] = "auto",
+        kv_budget: int | float | str | None = "auto",
     ) -> None:
         if members is None:
             members = list(DEFAULT_MODELS)
@@ -118,6 +125,7 @@ class Ensemble:
         self.scheduler = StepScheduler()  # this engine's steps (members/scheduler.py), no other engine's
         self.kv_budget = KVBudget(kv_budget, self.scheduler.config.slack)  # requests wait while their KV would not fit
         self._worker = Worker(self._execute, self.load, self.max_batch, self.scheduler)
+        self._holders = 0  # facades holding this shared engine (hold / let_go)
 
     @classmethod
     def shared(
@@ -143,7 +151,7 @@ class Ensemble:
         """What the framework facades hold: `engine` when the caller passed one (it must be an
         Ensemble), else the process-wide engine for the other arguments (`shared`)."""
         if engine is None:
-            return cls.shared(members, method, config, **kw)
+            return cls.shared(members, method, config, **kw).hold()
         if not isinstance(engine, cls):
             raise ConfigError(f"engine must be an ensemble_llm.Ensemble, got {type(engine).__name__}")
         return engine
@@ -185,6 +193,20 @@ class Ensemble:
             for key in [k for k, e in _SHARED.items() if e is self]:
                 del _SHARED[key]
         release_members(members or [])
+
+    def hold(self) -> "Ensemble":
+        """One more user of this shared engine (a facade); `let_go` ends its hold."""
+        with _SHARED_LOCK:
+            self._holders += 1
+        return self
+
+    def let_go(self) -> None:
+        """A user of this shared engine is done; the last one to go closes it (frees the members)."""
+        with _SHARED_LOCK:
+            self._holders = max(0, self._holders - 1)
+            last = self._holders == 0
+        if last:
+            self.close()
 
     def __enter__(self) -> "Ensemble":
         return self

@@ -285,6 +285,12 @@ def test_langchain_client_mode(server):
     jsonschema.validate(out, PERSON)
     with pytest.raises(Exception, match="API key|401"):
         EnsembleLLM(base_url=server + "/v1", api_key="wrong", max_tokens=2).invoke("hi")
+    # `model` names the served model: the method name is one of its names, another name is a 404
+    assert llm.model == "ensemble" and EnsembleLLM(
+        base_url=server + "/v1", api_key=KEY, model="safe", max_tokens=2
+    ).invoke("hi")
+    with pytest.raises(Exception, match="'gpt-4o' does not exist here"):
+        EnsembleLLM(base_url=server + "/v1", api_key=KEY, model="gpt-4o", max_tokens=2).invoke("hi")
 
 
 def test_llamaindex_client_mode(server):

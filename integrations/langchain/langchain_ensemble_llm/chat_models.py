@@ -8,8 +8,9 @@ and the request queue all live in the engine, shared with the LlamaIndex facade.
 from __future__ import annotations
 
 import json
+import weakref
 from operator import itemgetter
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -29,7 +30,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
 from ensemble_llm.chat import content_text
@@ -111,6 +112,15 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
     return out
 
 
+def _in_process_model(given: str | None, model_id: str) -> str:
+    if given is not None and given != model_id:
+        raise ValueError(
+            f"EnsembleLLM(model={given!r}) does not choose models in process: members= and method= do "
+            f"(these give {model_id!r}). Drop model=, or pass base_url= to ask a served ensemble for {given!r}."
+        )
+    return model_id
+
+
 class EnsembleLLM(BaseChatModel):
     """Chat model whose replies come from several local LMs decoded together.
 
@@ -130,6 +140,10 @@ class EnsembleLLM(BaseChatModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
+    model: str | None = None
+    """The model's id, as ChatOpenAI and ChatOllama have it. In process it is `method:member+member`
+    (set from `members` and `method`, which choose the models; a different value is an error).
+    Client mode: the served model to ask for (the server's id, its method name, or "ensemble", the default)."""
     members: list[str | dict[str, Any]] | None = None
     """Bundled names, local folders, local .gguf files or cached hub ids (default: the bundled pair), or
     {"model": ..., "preamble": [messages]} dicts that give one member its own preamble."""
@@ -146,11 +160,11 @@ class EnsembleLLM(BaseChatModel):
     """"local" (members in this process) or "ray" (each member in a Ray actor, on this machine or a cluster)."""
     ray_address: str | None = None
     """placement="ray": the cluster to join ("auto", "ray://HEAD:10001"); None starts a local one."""
-    member_resources: Any = None
+    member_resources: dict[str, float] | list[dict[str, float]] | None = None
     """placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}."""
-    max_batch: Any = "auto"
+    max_batch: int | Literal["auto"] = "auto"
     """Requests run at once, their forwards batched per member ("auto": 8 on CPU, 32 on CUDA, 1 on Ray)."""
-    kv_budget: Any = "auto"
+    kv_budget: int | float | str | None = "auto"
     """KV-cache bytes the running requests may hold per device; others wait, one that never fits is refused
     ("auto": 90% of free GPU memory, half the free RAM; "2GB"; None: no limit)."""
 
@@ -176,18 +190,28 @@ class EnsembleLLM(BaseChatModel):
     """An existing engine to share (an `ensemble_llm.Ensemble`); its members and method win over
     the fields above."""
 
+    _let_go: Any = PrivateAttr(default=None)  # weakref.finalize: ends this facade's hold on a shared engine
+
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
         if self.base_url is not None:  # client mode: the engine is the server's
             key = self.api_key.get_secret_value() if self.api_key is not None else None
-            self.engine = RemoteEnsemble(self.base_url, key, max_retries=self.max_retries, timeout=self.timeout)
+            self.model = self.model or "ensemble"
+            self.engine = RemoteEnsemble(
+                self.base_url, key, max_retries=self.max_retries, timeout=self.timeout, model=self.model
+            )
         else:
             # Ensemble validates members, method, config and devices and names the bad one
+            shared = self.engine is None
             self.engine = Ensemble.shared_or_given(
                 self.engine, self.members, self.method, self.config, **{k: getattr(self, k) for k in ENGINE_OPTIONS}
             )
+            if shared:  # the last facade to go frees the shared engine's members
+                self._let_go = weakref.finalize(self, self.engine.let_go)
+                self._let_go.atexit = False  # at exit the process frees them anyway
             self.members = self.engine.model_names
             self.method = self.engine.method_name
+            self.model = _in_process_model(self.model, self.model_name)
         if self.profile is None:
             self.profile = {
                 "tool_calling": True,
@@ -198,6 +222,13 @@ class EnsembleLLM(BaseChatModel):
                 "temperature": True,
             }
         return self
+
+    def close(self) -> None:
+        """Let go of the shared engine now (also done when this object is garbage-collected); when no
+        other EnsembleLLM holds it, its members are freed, and a later call loads them again. An
+        `engine=` you passed stays yours to close."""
+        if self._let_go is not None:
+            self._let_go()
 
     # ---- identity ------------------------------------------------------------------------
     @property
@@ -332,7 +363,7 @@ class EnsembleLLM(BaseChatModel):
                 f"EnsembleLLM got unsupported call arguments {sorted(unknown)}; it takes {sorted(_CALL_KEYS)}."
             )
         model = kwargs.get("model")
-        if model is not None and model != self.model_name:
+        if model is not None and model not in (self.model_name, self.model):
             raise ValueError(
                 f"EnsembleLLM cannot switch to model {model!r} per call; build another "
                 f"EnsembleLLM(members=[...]) (this one is {self.model_name!r})."

@@ -8,7 +8,9 @@ async method awaits the engine's own async API, so no event loop is ever blocked
 
 from __future__ import annotations
 
-from typing import Any, AsyncGenerator, Dict, Generator, List, Optional, Sequence, Union
+import warnings
+import weakref
+from typing import Any, AsyncGenerator, Dict, Generator, List, Literal, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -117,6 +119,11 @@ class EnsembleLLM(FunctionCallingLLM):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # a misspelt argument is an error
 
+    model: Optional[str] = Field(
+        default=None,
+        description="The model's id. In process `method:member+member`, set from members and method (a "
+        'different value is an error); client mode: the served model to ask for (default "ensemble").',
+    )
     members: Optional[List[Union[str, Dict[str, Any]]]] = Field(
         default=None,
         description="Bundled names, folders, .gguf files or cached hub ids; or "
@@ -141,19 +148,19 @@ class EnsembleLLM(FunctionCallingLLM):
         default=None,
         description=('placement="ray": the cluster to join ("auto", "ray://HEAD:10001"); None starts a local one.'),
     )
-    member_resources: Any = Field(
+    member_resources: Union[Dict[str, float], List[Dict[str, float]], None] = Field(
         default=None,
         description=(
             'placement="ray": Ray resources per member actor, one dict for all or one each, e.g. {"num_gpus": 1}.'
         ),
     )
-    max_batch: Any = Field(
+    max_batch: Union[int, Literal["auto"]] = Field(
         default="auto",
         description=(
             'Requests run at once, their forwards batched per member ("auto": 8 on CPU, 32 on CUDA, 1 on Ray).'
         ),
     )
-    kv_budget: Any = Field(
+    kv_budget: Union[int, float, str, None] = Field(
         default="auto",
         description=(
             "KV-cache bytes the running requests may hold per device; others wait, one that never "
@@ -183,25 +190,51 @@ class EnsembleLLM(FunctionCallingLLM):
     )
     api_key: Optional[SecretStr] = Field(default=None, description="The served ensemble's API key (client mode).")
     context_window: Optional[int] = Field(
-        default=None, gt=0, description=("Client mode: the served members' smallest context window (default 2048).")
+        default=None,
+        gt=0,
+        description=(
+            "Tokens LlamaIndex may fill with prompt and reply. In process: the members' smallest window "
+            "(default), or this if smaller; client mode: default 2048."
+        ),
     )
     engine: Any = Field(default=None, exclude=True, description="An Ensemble to share.")
     _context_window: Optional[int] = PrivateAttr(default=None)
+    _let_go: Any = PrivateAttr(default=None)  # weakref.finalize: ends this facade's hold on a shared engine
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
         if self.base_url is not None:  # client mode: the engine is the server's
             key = self.api_key.get_secret_value() if self.api_key is not None else None
-            self.engine = RemoteEnsemble(self.base_url, key, max_retries=self.max_retries, timeout=self.timeout)
+            self.model = self.model or "ensemble"
+            self.engine = RemoteEnsemble(
+                self.base_url, key, max_retries=self.max_retries, timeout=self.timeout, model=self.model
+            )
             self._context_window = self.context_window or 2048
             return self
         # Ensemble validates members, method, config and devices and names the bad one
+        shared = self.engine is None
         self.engine = Ensemble.shared_or_given(
             self.engine, self.members, self.method, self.config, **{k: getattr(self, k) for k in ENGINE_OPTIONS}
         )
+        if shared:  # the last facade to go frees the shared engine's members
+            self._let_go = weakref.finalize(self, self.engine.let_go)
+            self._let_go.atexit = False  # at exit the process frees them anyway
         self.members = self.engine.model_names
         self.method = self.engine.method_name
+        if self.model is not None and self.model != self.model_name:
+            raise ValueError(
+                f"EnsembleLLM(model={self.model!r}) does not choose models in process: members= and method= do "
+                f"(these give {self.model_name!r}). Drop model=, or pass base_url= to ask a served ensemble for it."
+            )
+        self.model = self.model_name
         return self
+
+    def close(self) -> None:
+        """Let go of the shared engine now (also done when this object is garbage-collected); when no
+        other EnsembleLLM holds it, its members are freed, and a later call loads them again. An
+        `engine=` you passed stays yours to close."""
+        if self._let_go is not None:
+            self._let_go()
 
     @classmethod
     def class_name(cls) -> str:
@@ -215,8 +248,15 @@ class EnsembleLLM(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        if self._context_window is None:
-            self._context_window = self.engine.context_window
+        if self._context_window is None:  # in process: read once (configs only, no weights)
+            window = self.engine.context_window
+            if self.context_window is not None and self.context_window > window:
+                warnings.warn(
+                    f"context_window={self.context_window} is more than the members hold ({window} tokens); "
+                    f"LlamaIndex gets {window}.",
+                    stacklevel=2,
+                )
+            self._context_window = min(window, self.context_window or window)
         return LLMMetadata(
             context_window=self._context_window,
             num_output=self.max_new_tokens,
