@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Unpack
 
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
-from .defaults import ENSEMBLE_METHOD, method_for
+from .defaults import method_for
 from .errors import ConfigError
 from .kvbudget import KVBudget
 from .members import DEFAULT_MODELS, Member
@@ -31,6 +31,7 @@ from .pipeline import make_result, member_prompts, run_method
 from .placement import plan_placement, resolve_max_batch
 from .requests import Job, Settings, make_job, member_entries
 from .results import GenerationResult
+from .sharing import SHARED_ENGINES
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
 from .tools import tool_policy
 from .worker import Worker
@@ -38,16 +39,9 @@ from .worker import Worker
 if TYPE_CHECKING:
     import torch
 
-    from .methods import SafeConfig, SingleConfig, SmcConfig, SpecFuseConfig, UniteConfig
-
-    MethodConfig = SingleConfig | UniteConfig | SafeConfig | SpecFuseConfig | SmcConfig
-
-DEFAULT_ENSEMBLE_METHOD = ENSEMBLE_METHOD  # (defaults.py)
+    from .methods import MethodConfig
 
 __all__ = ["ENGINE_OPTIONS", "AsyncTextStream", "Ensemble", "GenerationResult", "TextStream"]
-
-_SHARED: dict[tuple, "Ensemble"] = {}
-_SHARED_LOCK = threading.Lock()
 
 # the constructor's keyword options after members / method / config; the facades mirror them as fields
 ENGINE_OPTIONS = (
@@ -125,7 +119,6 @@ class Ensemble:
         self.scheduler = StepScheduler()  # this engine's steps (members/scheduler.py), no other engine's
         self.kv_budget = KVBudget(kv_budget, self.scheduler.config.slack)  # requests wait while their KV would not fit
         self._worker = Worker(self._execute, self.load, self.max_batch, self.scheduler)
-        self._holders = 0  # facades holding this shared engine (hold / let_go)
 
     @classmethod
     def shared(
@@ -134,15 +127,7 @@ class Ensemble:
         """The process-wide engine for these arguments: built once, then returned again, so many
         framework objects (LangChain and LlamaIndex facades alike) share loaded models and one
         request queue. Arguments are validated exactly as by the constructor."""
-        eng = cls(members, method, config, **kw)
-        key = (
-            tuple(s.ref for s in eng.sources),
-            *map(repr, (eng.preambles, eng.options, eng.config, eng.member_resources)),
-            *map(str, (eng.method_name, eng.devices, eng.dtypes, eng.cache_dir, eng.trust_remote_code)),
-            *map(str, (eng.placement, eng.ray_address, eng.max_batch, eng.kv_budget.value)),
-        )
-        with _SHARED_LOCK:
-            return _SHARED.setdefault(key, eng)
+        return SHARED_ENGINES.get_or_add(cls(members, method, config, **kw))
 
     @classmethod
     def shared_or_given(
@@ -188,24 +173,18 @@ class Ensemble:
     def close(self) -> None:
         """Free the members (the next request loads them again); `with Ensemble(...) as engine:` calls it."""
         self._worker.wait_idle(5.0)  # a request that just answered: its thread lets go of the members
-        with self._load_lock, _SHARED_LOCK:
+        with self._load_lock:
             members, self._members, self._method = self._members, None, None
-            for key in [k for k, e in _SHARED.items() if e is self]:
-                del _SHARED[key]
+        SHARED_ENGINES.drop(self)
         release_members(members or [])
 
     def hold(self) -> "Ensemble":
         """One more user of this shared engine (a facade); `let_go` ends its hold."""
-        with _SHARED_LOCK:
-            self._holders += 1
-        return self
+        return SHARED_ENGINES.hold(self)
 
     def let_go(self) -> None:
         """A user of this shared engine is done; the last one to go closes it (frees the members)."""
-        with _SHARED_LOCK:
-            self._holders = max(0, self._holders - 1)
-            last = self._holders == 0
-        if last:
+        if SHARED_ENGINES.let_go(self):
             self.close()
 
     def __enter__(self) -> "Ensemble":

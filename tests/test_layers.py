@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ensemble_llm"
 
 # floor -> modules (dotted, without the "ensemble_llm." prefix; "members" is members/__init__.py)
 FLOORS = {
-    0: {"defaults", "errors", "results", "stopping", "streams"},
+    0: {"defaults", "errors", "results", "sharing", "stopping", "streams"},
     1: {
         "members",
         "members.registry",

@@ -10,6 +10,8 @@ from .smc import Smc, SmcConfig
 from .specfuse import SpecFuse, SpecFuseConfig
 from .unite import Unite, UniteConfig
 
+MethodConfig = SingleConfig | UniteConfig | SafeConfig | SpecFuseConfig | SmcConfig  # what `config=` takes
+
 METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe, SpecFuse, Smc)}
 
 
@@ -20,6 +22,7 @@ def get_method(name: str) -> type[Method]:
 
 
 __all__ = [
+    "MethodConfig",
     "METHODS",
     "Method",
     "Request",
