@@ -131,15 +131,17 @@ class Ensemble:
 
     @classmethod
     def shared_or_given(
-        cls, engine: Any, members: Sequence[str] | None, method: str | None, config: Any, **kw
-    ) -> "Ensemble":
-        """What the framework facades hold: `engine` when the caller passed one (it must be an
-        Ensemble), else the process-wide engine for the other arguments (`shared`)."""
+        cls, engine: Any, members: Sequence[str] | None, method: str | None, config: Any, owner: object, **kw
+    ) -> tuple["Ensemble", Callable[[], None] | None]:
+        """What the framework facades hold: (`engine`, None) when the caller passed one (it must be an
+        Ensemble), else the process-wide engine for the other arguments (`shared`) and the call that
+        ends `owner`'s hold on it (also run when `owner` is collected; the last to go closes it)."""
         if engine is None:
-            return cls.shared(members, method, config, **kw).hold()
+            engine = cls.shared(members, method, config, **kw)
+            return engine, SHARED_ENGINES.hold_for(owner, engine)
         if not isinstance(engine, cls):
             raise ConfigError(f"engine must be an ensemble_llm.Ensemble, got {type(engine).__name__}")
-        return engine
+        return engine, None
 
     # ---- loading -------------------------------------------------------------------------
     @property
@@ -177,15 +179,6 @@ class Ensemble:
             members, self._members, self._method = self._members, None, None
         SHARED_ENGINES.drop(self)
         release_members(members or [])
-
-    def hold(self) -> "Ensemble":
-        """One more user of this shared engine (a facade); `let_go` ends its hold."""
-        return SHARED_ENGINES.hold(self)
-
-    def let_go(self) -> None:
-        """A user of this shared engine is done; the last one to go closes it (frees the members)."""
-        if SHARED_ENGINES.let_go(self):
-            self.close()
 
     def __enter__(self) -> "Ensemble":
         return self

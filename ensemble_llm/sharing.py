@@ -1,7 +1,7 @@
 """The process-wide table of shared engines (`Ensemble.shared`) and the holds facades keep on them.
 
 One object owns the table and its lock, so an engine's close and a facade letting go agree on
-who still uses an engine."""
+who still uses an engine. Both facades' `model` field is checked here too, once for both."""
 
 from __future__ import annotations
 
@@ -36,17 +36,31 @@ class SharedEngines:
             for k in [k for k, e in self._engines.items() if e is eng]:
                 del self._engines[k]
 
-    def hold(self, eng: Any) -> Any:
+    def hold_for(self, owner: object, eng: Any) -> weakref.finalize:
+        """`owner` (a facade) holds `eng` until it is collected or the returned finalizer is called;
+        the last holder to go closes the engine (frees its members)."""
         with self._lock:
             self._holds[eng] = self._holds.get(eng, 0) + 1
-        return eng
+        release = weakref.finalize(owner, self._let_go, eng)
+        release.atexit = False  # at exit the process frees the members anyway
+        return release
 
-    def let_go(self, eng: Any) -> bool:
-        """Ends one hold; True when it was the last."""
+    def _let_go(self, eng: Any) -> None:
         with self._lock:
             left = max(0, self._holds.get(eng, 0) - 1)
             self._holds[eng] = left
-            return left == 0
+        if left == 0:
+            eng.close()
+
+
+def check_model_id(given: str | None, model_id: str) -> str:
+    """What a facade's `model` field holds in process: the engine's id; another value is an error."""
+    if given is not None and given != model_id:
+        raise ValueError(
+            f"EnsembleLLM(model={given!r}) does not choose models in process: members= and method= do "
+            f"(these give {model_id!r}). Drop model=, or pass base_url= to ask a served ensemble for {given!r}."
+        )
+    return model_id
 
 
 SHARED_ENGINES = SharedEngines()

@@ -8,7 +8,6 @@ and the request queue all live in the engine, shared with the LlamaIndex facade.
 from __future__ import annotations
 
 import json
-import weakref
 from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
@@ -38,6 +37,7 @@ from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
 from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
+from ensemble_llm.sharing import check_model_id
 from ensemble_llm.stopping import stop_list
 from ensemble_llm.tools import check_tool_choice
 
@@ -112,15 +112,6 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict]:
     return out
 
 
-def _in_process_model(given: str | None, model_id: str) -> str:
-    if given is not None and given != model_id:
-        raise ValueError(
-            f"EnsembleLLM(model={given!r}) does not choose models in process: members= and method= do "
-            f"(these give {model_id!r}). Drop model=, or pass base_url= to ask a served ensemble for {given!r}."
-        )
-    return model_id
-
-
 class EnsembleLLM(BaseChatModel):
     """Chat model whose replies come from several local LMs decoded together.
 
@@ -190,7 +181,7 @@ class EnsembleLLM(BaseChatModel):
     """An existing engine to share (an `ensemble_llm.Ensemble`); its members and method win over
     the fields above."""
 
-    _let_go: Any = PrivateAttr(default=None)  # weakref.finalize: ends this facade's hold on a shared engine
+    _let_go: Any = PrivateAttr(default=None)  # ends this facade's hold on a shared engine (None: engine= given)
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
@@ -202,16 +193,17 @@ class EnsembleLLM(BaseChatModel):
             )
         else:
             # Ensemble validates members, method, config and devices and names the bad one
-            shared = self.engine is None
-            self.engine = Ensemble.shared_or_given(
-                self.engine, self.members, self.method, self.config, **{k: getattr(self, k) for k in ENGINE_OPTIONS}
+            self.engine, self._let_go = Ensemble.shared_or_given(
+                self.engine,
+                self.members,
+                self.method,
+                self.config,
+                self,
+                **{k: getattr(self, k) for k in ENGINE_OPTIONS},
             )
-            if shared:  # the last facade to go frees the shared engine's members
-                self._let_go = weakref.finalize(self, self.engine.let_go)
-                self._let_go.atexit = False  # at exit the process frees them anyway
             self.members = self.engine.model_names
             self.method = self.engine.method_name
-            self.model = _in_process_model(self.model, self.model_name)
+            self.model = check_model_id(self.model, self.model_name)
         if self.profile is None:
             self.profile = {
                 "tool_calling": True,

@@ -9,7 +9,6 @@ async method awaits the engine's own async API, so no event loop is ever blocked
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, AsyncGenerator, Dict, Generator, List, Literal, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
@@ -35,6 +34,7 @@ from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
 from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
+from ensemble_llm.sharing import check_model_id
 from ensemble_llm.stopping import stop_list
 from ensemble_llm.tools import check_tool_choice
 
@@ -199,7 +199,7 @@ class EnsembleLLM(FunctionCallingLLM):
     )
     engine: Any = Field(default=None, exclude=True, description="An Ensemble to share.")
     _context_window: Optional[int] = PrivateAttr(default=None)
-    _let_go: Any = PrivateAttr(default=None)  # weakref.finalize: ends this facade's hold on a shared engine
+    _let_go: Any = PrivateAttr(default=None)  # ends this facade's hold on a shared engine (None: engine= given)
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
@@ -212,21 +212,12 @@ class EnsembleLLM(FunctionCallingLLM):
             self._context_window = self.context_window or 2048
             return self
         # Ensemble validates members, method, config and devices and names the bad one
-        shared = self.engine is None
-        self.engine = Ensemble.shared_or_given(
-            self.engine, self.members, self.method, self.config, **{k: getattr(self, k) for k in ENGINE_OPTIONS}
+        self.engine, self._let_go = Ensemble.shared_or_given(
+            self.engine, self.members, self.method, self.config, self, **{k: getattr(self, k) for k in ENGINE_OPTIONS}
         )
-        if shared:  # the last facade to go frees the shared engine's members
-            self._let_go = weakref.finalize(self, self.engine.let_go)
-            self._let_go.atexit = False  # at exit the process frees them anyway
         self.members = self.engine.model_names
         self.method = self.engine.method_name
-        if self.model is not None and self.model != self.model_name:
-            raise ValueError(
-                f"EnsembleLLM(model={self.model!r}) does not choose models in process: members= and method= do "
-                f"(these give {self.model_name!r}). Drop model=, or pass base_url= to ask a served ensemble for it."
-            )
-        self.model = self.model_name
+        self.model = check_model_id(self.model, self.model_name)
         return self
 
     def close(self) -> None:
