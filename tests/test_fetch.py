@@ -1,13 +1,15 @@
 """Fetching bundled GGUFs: sha256 checks, truncated/corrupt files, the conversion cache."""
 
+import hashlib
+import os
 import shutil
 
 import pytest
 
 from ensemble_llm import ChecksumError, Ensemble, ModelNotFoundError
-from ensemble_llm.members import BUNDLED
+from ensemble_llm.members import BUNDLED, fetch
 from ensemble_llm.members.convert import MARKER
-from ensemble_llm.members.fetch import fetch_bundled, sha256_file
+from ensemble_llm.members.fetch import check_sha256, fetch_bundled, sha256_file
 
 
 def test_corrupt_cached_gguf_is_refused_with_the_fix(tmp_path):
@@ -17,6 +19,22 @@ def test_corrupt_cached_gguf_is_refused_with_the_fix(tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 1000)
     with pytest.raises(ChecksumError, match="sha256.*delete it"):
         fetch_bundled(model, cache_dir=tmp_path, progress=False)
+
+
+def test_a_checked_file_is_not_hashed_again_until_it_changes(tmp_path, monkeypatch):
+    path, stamps = tmp_path / "model.gguf", tmp_path / "verified"
+    path.write_bytes(b"GGUF" + b"\1" * 4096)
+    expected = hashlib.sha256(path.read_bytes()).hexdigest()
+    hashed = []
+    monkeypatch.setattr(fetch, "sha256_file", lambda p: hashed.append(p) or sha256_file(p))
+    check_sha256(path, expected, "m", stamps)
+    check_sha256(path, expected, "m", stamps)
+    assert len(hashed) == 1  # the second load trusts the stamp
+    path.write_bytes(b"GGUF" + b"\2" * 4096)  # same size, new content and modification time
+    os.utime(path, ns=(1, 1))
+    with pytest.raises(ChecksumError, match="sha256.*delete it"):
+        check_sha256(path, expected, "m", stamps)
+    assert len(hashed) == 2
 
 
 def test_corrupt_part_is_refused_and_removed(tmp_path):

@@ -94,6 +94,9 @@ class _GGUF:
             elem, count = self.take("I"), self.take("Q")
             if elem in _GGUF_SCALARS:
                 self.pos += count * struct.calcsize("<" + _GGUF_SCALARS[elem])
+            elif elem == 8:  # strings (a vocabulary): step over each by its length, undecoded
+                for _ in range(count):
+                    self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
             else:
                 for _ in range(count):
                     self.value(elem)
