@@ -5,6 +5,7 @@ its linear layers quantized as they load when asked (bitsandbytes on CUDA, torch
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -386,24 +387,46 @@ def release_members(members: list) -> None:
     with _CACHE_LOCK:
         for key in [k for k, m in _CACHE.items() if id(m) in held]:
             del _CACHE[key]
-    members.clear()
-    for _ in range(3):  # a method's cycles hold the members, and the members' own cycles their tensors
-        if not gc.collect():
-            break
-    _trim_heap()
+    with _HeapReturn():
+        members.clear()
+        for _ in range(3):  # a method's cycles hold the members, and the members' own cycles their tensors
+            if not gc.collect():
+                break
 
 
-def _trim_heap() -> None:
-    """Hand the freed heap back to the OS (glibc keeps it in its arenas otherwise: measured on the
-    bundled pair, 731 MiB resident after close() against 333 MiB after the trim)."""
-    import ctypes
-    import ctypes.util
+class _HeapReturn:
+    """While members are freed, hand the freed heap back to the OS (glibc; elsewhere a no-op).
 
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, Windows, musl): nothing to trim
-        pass
+    A load raises glibc's trim threshold (up to 64 MiB) as it frees big buffers, and then the
+    memory a loader thread's arena frees stays resident: malloc_trim() alone does not give it
+    back (tests/test_heap_return.py). A low threshold while the members go does; it then goes
+    back to that 64 MiB ceiling (benchmarks/results/close_memory). A threshold the user set
+    (MALLOC_TRIM_THRESHOLD_) is left as it is."""
+
+    M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers, from glibc's malloc.h
+    LOW, CEILING = 128 * 1024, 64 * 1024 * 1024
+
+    def __init__(self) -> None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            self.libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            self.libc.mallopt, self.libc.malloc_trim  # noqa: B018 - glibc has both; musl, macOS, Windows do not
+        except (OSError, AttributeError, TypeError):
+            self.libc = None
+        self.user_set = "MALLOC_TRIM_THRESHOLD_" in os.environ
+
+    def __enter__(self) -> "_HeapReturn":
+        if self.libc is not None and not self.user_set:
+            self.libc.mallopt(self.M_TRIM_THRESHOLD, self.LOW)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
+            if not self.user_set:
+                self.libc.mallopt(self.M_TRIM_THRESHOLD, self.CEILING)
 
 
 def clear_cache() -> None:
