@@ -47,6 +47,14 @@ STUDIES = {
         "what the methods answer, against the same members on transformers (fp32).",
         ["llama_quality/results.md"],
     ),
+    "chat": (
+        "Chat on llama.cpp members",
+        "Whether the ensemble holds up in chat: `chat_facts` (45 factual questions, each sent as one chat "
+        "turn, an answer counted when it contains the fact), every method on the bundled pair on "
+        "llama.cpp, with the answers that repeat themselves counted. In chat the drafter (the main "
+        "member) is Gemma, the member with the larger chat weight.",
+        ["chat_facts_llama/results.md"],
+    ),
 }
 
 
