@@ -141,6 +141,7 @@ class _SafeRun:
         self.text, self.budget = b"", req.max_new_tokens
         self.finished, self.lookahead = False, cfg.lookahead
         self.must_close = False  # a drafted or chosen token would have left too little for the completion
+        self.pending: int | None = None  # the cycle's last drafted token, not yet on the drafter's cache
         if self.guide:
             self.guide.check_budget(self.main, self.budget)
 
@@ -220,7 +221,9 @@ class _SafeRun:
             drafted += key
             if self.req.stops.end(drafted, len(drafted) - len(key)) is not None:
                 break  # the drafter's cache lacks this token: the request ends with this cycle
-            if st.tokens_out + j + 1 < self.budget:  # the budget's last token needs no forward
+            if j + 1 == n:  # the last draft's forward waits for the check: a replacement drops it
+                self.pending = tok
+            elif st.tokens_out + j + 1 < self.budget:  # the budget's last token needs no forward
                 self.drafter.extend(dstate, [tok])
         return drafts
 
@@ -325,6 +328,9 @@ class _SafeRun:
                 self.drafter.extend(self.dstate, self.didx.ids_for(choice))
         if guide and not self.finished and guide.complete(self.text):  # the grammar allows nothing more
             self.finished = True
+        if replaced is None and self.pending is not None and not self.finished and st.tokens_out < self.budget:
+            self.drafter.extend(self.dstate, [self.pending])  # the whole draft stands: its last token's forward
+        self.pending = None
         if self.cfg.adaptive:
             cap = max(self.cfg.lookahead, self.cfg.max_lookahead)
             self.lookahead = min(cap, self.lookahead + 2) if replaced is None else max(1, self.lookahead - 1)
