@@ -105,6 +105,9 @@ def test_the_cached_tokenizer_is_the_built_one(tokenizer_dirs, tmp_path, name):
     )
     assert built.chat_template == cached.chat_template and built.padding_side == cached.padding_side
     assert token_bytes(built) == token_bytes(cached)
+    assert built.added_tokens_decoder == cached.added_tokens_decoder  # read from the config's list
+    config = json.loads((folder / TOKENIZER_CACHE / "tokenizer_config.json").read_text())
+    assert len(config["added_tokens_decoder"]) == len(built.added_tokens_decoder)
 
 
 def test_a_tampered_cache_file_is_rebuilt(tokenizer_dirs, tmp_path):

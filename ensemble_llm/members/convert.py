@@ -190,6 +190,7 @@ def _tokenizer_key(folder: Path) -> dict:
     return {
         "versions": f"transformers={transformers.__version__};tokenizers={tokenizers.__version__}",
         "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "format": 2,  # 2: the config lists the added tokens (`_list_added_tokens`)
     }
 
 
@@ -245,6 +246,7 @@ def _save_cache(tokenizer, cache: Path, key: dict) -> None:
         tmp = _temp_dir(cache)
         try:
             tokenizer.save_pretrained(tmp)
+            _list_added_tokens(tmp)
             digests = {f.name: _digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
             manifest = {"key": key, "sha256": digests, "padding_side": tokenizer.padding_side}
             (tmp / _CACHE_MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -252,3 +254,18 @@ def _save_cache(tokenizer, cache: Path, key: dict) -> None:
             os.replace(tmp, cache)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _list_added_tokens(folder: Path) -> None:
+    """Copy tokenizer.json's added tokens into tokenizer_config.json as `added_tokens_decoder`.
+
+    Without that list, every load json-parses the whole tokenizer.json in Python only to read its
+    added tokens (Gemma's 33 MB: the cached load takes 2.2 s, 0.9 s with the list). The entries are
+    those tokenizer.json holds, so the load builds the same AddedTokens either way (tested)."""
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config:
+        return
+    added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
