@@ -553,15 +553,36 @@ def _quiet():
 
 
 def main(argv: list[str] | None = None) -> int:
+    return _dispatch(_parse(argv))
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    return args
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if getattr(args, "verbose", True):
         return args.func(args)
     with _quiet():  # generate: the answer only (our own download bars stay)
         return args.func(args)
 
 
+def run() -> None:
+    """The `ensemble-llm` command. After a local `generate` it leaves without the interpreter's
+    teardown of the loaded models (0.7 s of a warm 5 s answer here): the answer is printed and
+    flushed and nothing is left to save. Ray placement exits normally (ray.shutdown runs at exit)."""
+    args = _parse(None)
+    code = _dispatch(args)
+    if args.command == "generate" and args.placement == "local":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
