@@ -68,6 +68,11 @@ def cpu_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def open_runner(path: str, n_ctx: int, device: torch.device, n_threads: int | None = None) -> LlamaRunner:
+    """The GGUF model and its context on llama.cpp: every layer on the GPU for a CUDA device."""
+    return LlamaRunner(path, n_ctx, n_threads or cpu_cores(), -1 if device.type == "cuda" else 0)
+
+
 class LlamaMember(TokenizerView):
     """A GGUF model on llama.cpp with its transformers tokenizer (see the module)."""
 
@@ -82,9 +87,10 @@ class LlamaMember(TokenizerView):
         device: torch.device,
         n_threads: int | None = None,
         source: str = "",
+        runner: LlamaRunner | None = None,
     ) -> None:
-        gpu = device.type == "cuda"
-        self.runner = LlamaRunner(path, n_ctx, n_threads or cpu_cores(), -1 if gpu else 0)
+        """`runner`: the model and context, when the caller opened them already (`open_runner`)."""
+        self.runner = runner or open_runner(path, n_ctx, device, n_threads)
         # the file's EOS (what transformers' generation config reads from it), not every end-of-generation
         # token llama.cpp knows: the methods end where they end on transformers
         eos = self.runner.lib.llama_vocab_eos(self.runner.vocab)

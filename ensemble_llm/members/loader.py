@@ -8,6 +8,7 @@ import hashlib
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -52,25 +53,28 @@ def gguf_tokenizer(source: Source, path: Path, cache_dir=None):
 
 def load_llama_member(source: Source, dev: torch.device, options: MemberOptions, cache_dir, progress, slots: int):
     """A GGUF member on llama.cpp (llama.py), its context sized for `slots` requests."""
-    from .llama import LlamaMember, check_tokenizer
+    from .llama import LlamaMember, check_tokenizer, open_runner
     from .plan import gguf_params_and_config, kv_bytes_per_token
 
     path = gguf_file(source, cache_dir, progress, options.revision)
     t0 = time.perf_counter()
     folder = gguf_tokenizer_folder(source, path, cache_dir)
-    tokenizer = load_cached_tokenizer(folder)
     _, config = gguf_params_and_config(path)
     window = int(config.get("max_position_embeddings") or LLAMA_CONTEXT)
     n_ctx = -(-max(1, slots) * min(window, LLAMA_CONTEXT) // 256) * 256
-    member = LlamaMember(
-        source.name,
-        str(path),
-        tokenizer,
-        n_ctx=n_ctx,
-        kv_per_token=kv_bytes_per_token(config, torch.float16),
-        device=dev,
-        source=str(path),
-    )
+    with ThreadPoolExecutor(1) as pool:  # llama.cpp opens the model (outside the GIL) while the tokenizer loads
+        runner = pool.submit(open_runner, str(path), n_ctx, dev)
+        tokenizer = load_cached_tokenizer(folder)
+        member = LlamaMember(
+            source.name,
+            str(path),
+            tokenizer,
+            n_ctx=n_ctx,
+            kv_per_token=kv_bytes_per_token(config, torch.float16),
+            device=dev,
+            source=str(path),
+            runner=runner.result(),
+        )
     check_tokenizer(member)
     member.tokenizer_folder = str(folder)  # what a Ray actor sends its caller
     member.load_seconds = time.perf_counter() - t0
@@ -365,7 +369,6 @@ def load_hf_member(
 def load_members(specs: Sequence, devices: Sequence, dtypes: Sequence, options: Sequence, progress: bool, **kw) -> list:
     """`load_member` for several members at once, in threads: llama.cpp loads its model and the
     tokenizers parse their files outside Python's lock, so the pair is ready about 1 s sooner."""
-    from concurrent.futures import ThreadPoolExecutor
 
     jobs = list(zip(specs, devices, dtypes, options))
     if len(jobs) == 1:
