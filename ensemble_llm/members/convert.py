@@ -14,12 +14,17 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from ..errors import ModelNotFoundError
 
 MARKER = "ensemble_llm_source.json"
+# transformers reads GGUF through lazily imported modules that two threads must not import at
+# once (the pair's members load in parallel: 2 of 3 cold starts failed with "cannot import name
+# 'GGUF_CONFIG_ARCHS'"), so its GGUF reads take turns, process-wide like the imports themselves.
+_GGUF_READS = threading.Lock()
 
 
 def is_converted(out_dir: Path) -> bool:
@@ -101,10 +106,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
             flush=True,
         )
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-            )
+            with _GGUF_READS:
+                tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+                )
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
             message = (
                 f"transformers could not read {gguf_path} ({type(exc).__name__}: {exc}). The file may be "
@@ -158,7 +164,9 @@ def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
         tmp = _temp_dir(out_dir)
         try:
             try:
-                AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+                with _GGUF_READS:
+                    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+                tokenizer.save_pretrained(tmp)
             except Exception as exc:  # noqa: BLE001 - re-raised with the fix
                 raise ModelNotFoundError(
                     f"transformers could not read the tokenizer of {gguf_path} ({type(exc).__name__}: {exc}); "

@@ -1,0 +1,62 @@
+"""The bundled models' calibration log-likelihoods that ship in data/calibration_bundled.json:
+used only for the pinned files and this calibration sample, and equal to what the code measures
+now on the real bundled pair on llama.cpp."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ensemble_llm import Ensemble
+from ensemble_llm.calibrate import SHOTS, Calibrator, as_question, bundled_logliks, raw_prompt, target_logprob
+from ensemble_llm.members.registry import BUNDLED
+
+PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
+
+
+def _digest() -> str:
+    return Calibrator().path.stem.removeprefix("loglik-")
+
+
+def test_shipped_entries_cover_the_default_pair_on_llama_cpp() -> None:
+    shipped = bundled_logliks(_digest())
+    for kind in ("raw", "chat"):
+        for name in PAIR:
+            assert len(shipped[f"{kind}:{name}|null|torch.float32|llama.cpp"]) == len(Calibrator().data) - SHOTS
+
+
+def test_an_entry_for_another_file_or_another_sample_is_not_used(tmp_path) -> None:
+    name = "raw:smollm2-135m-instruct|null|torch.float32|llama.cpp"
+    good = {"sha256": BUNDLED["smollm2-135m-instruct"].sha256, "loglik": [-1.0]}
+    stale = {"sha256": "0" * 64, "loglik": [-2.0]}
+    path = tmp_path / "shipped.json"
+    path.write_text(json.dumps({"data_digest": _digest(), "entries": {name: good, name.replace("raw", "chat"): stale}}))
+    assert bundled_logliks(_digest(), path) == {name: [-1.0]}
+    assert bundled_logliks("another-sample", path) == {}
+
+
+def test_a_cache_entry_on_disk_wins_over_the_shipped_one(tmp_path) -> None:
+    name = "raw:smollm2-135m-instruct|null|torch.float32|llama.cpp"
+    calibrator = Calibrator(tmp_path)
+    calibrator.path.parent.mkdir(parents=True)
+    calibrator.path.write_text(json.dumps({name: [-3.0]}))
+    memo = calibrator._load()
+    assert memo[name] == [-3.0] and "chat:gemma-3-270m|null|torch.float32|llama.cpp" in memo
+
+
+@pytest.mark.real
+def test_shipped_logliks_are_what_the_pair_measures_now() -> None:
+    """A few examples of each kind, scored now by the pair on llama.cpp (directly, not through
+    the calibration cache), against the shipped figures."""
+    engine = Ensemble(PAIR, progress=False)
+    members = engine.load()._members
+    shipped, data = bundled_logliks(_digest()), Calibrator().data
+    for i, member in enumerate(members):
+        for j in (SHOTS, SHOTS + 7, len(data) - 1):
+            raw = target_logprob(member, member.prompt_ids(raw_prompt(data, j)), " " + data[j]["targets"][0] + "\n")
+            assert raw == pytest.approx(shipped[f"raw:{PAIR[i]}|null|torch.float32|llama.cpp"][j - SHOTS], abs=1e-3)
+            question = engine._chat_prompt(i, as_question(data[j]["input"]))
+            chat = target_logprob(member, member.prompt_ids(question), data[j]["reply"])
+            assert chat == pytest.approx(shipped[f"chat:{PAIR[i]}|null|torch.float32|llama.cpp"][j - SHOTS], abs=1e-3)
+    engine.close()
