@@ -21,10 +21,13 @@ from pathlib import Path
 from ..errors import ModelNotFoundError
 
 MARKER = "ensemble_llm_source.json"
-# transformers reads GGUF through lazily imported modules that two threads must not import at
-# once (the pair's members load in parallel: 2 of 3 cold starts failed with "cannot import name
-# 'GGUF_CONFIG_ARCHS'"), so its GGUF reads take turns, process-wide like the imports themselves.
-_GGUF_READS = threading.Lock()
+# transformers loads take turns, process-wide: two in threads at once go wrong through its
+# process-wide state. Its from_pretrained switches weight initialisation off globally (its
+# no_init_weights context), so one model's weights came out "newly initialized" (random); and it
+# reads GGUF through lazily imported modules that two threads must not import at once (2 of 3
+# cold starts of the pair failed with "cannot import name 'GGUF_CONFIG_ARCHS'"). llama.cpp's
+# loads need no turn.
+TRANSFORMERS_LOADS = threading.Lock()
 
 
 def is_converted(out_dir: Path) -> bool:
@@ -106,7 +109,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, source: dict | None = None) -> 
             flush=True,
         )
         try:
-            with _GGUF_READS:
+            with TRANSFORMERS_LOADS:
                 tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
                 model = AutoModelForCausalLM.from_pretrained(
                     gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -164,7 +167,7 @@ def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
         tmp = _temp_dir(out_dir)
         try:
             try:
-                with _GGUF_READS:
+                with TRANSFORMERS_LOADS:
                     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
                 tokenizer.save_pretrained(tmp)
             except Exception as exc:  # noqa: BLE001 - re-raised with the fix

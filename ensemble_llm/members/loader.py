@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from .convert import convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
+from .convert import TRANSFORMERS_LOADS, convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
 from .fetch import cache_root, fetch_bundled
 from .hub import hub_file, hub_folder, split_hub_ref
 from .member import Member
@@ -192,10 +192,6 @@ def tokenizer_dir(name: str, cache_dir=None, progress: bool = True) -> Path:
 
 _CACHE: dict[tuple, Member] = {}
 _CACHE_LOCK = threading.Lock()
-# transformers' from_pretrained switches weight initialisation off through process-wide state
-# (its no_init_weights context): two loads in threads at once leave one model's weights
-# "newly initialized" (random), so transformers loads run one at a time (llama.cpp's do not)
-_HF_LOAD_LOCK = threading.Lock()
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 
 
@@ -349,7 +345,7 @@ def load_hf_member(
     )
     kwargs = {**placement_kwargs(dev, options), **quantization_kwargs(folder, dev, dt, options)}
     try:
-        with _HF_LOAD_LOCK:
+        with TRANSFORMERS_LOADS:
             model = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=dt, trust_remote_code=trust_remote_code, **kwargs
             )
