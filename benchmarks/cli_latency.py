@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def ours(runs: int, cache: str | None) -> list[dict]:
     for _ in range(runs):
         env = dict(os.environ)
         if cache is not None:
-            subprocess.run(["rm", "-rf", cache], check=True)
+            shutil.rmtree(cache, ignore_errors=True)
             env["ENSEMBLE_LLM_CACHE"] = cache
         seconds, text = timed(["ensemble-llm", "generate", PROMPT], env)
         out.append({"seconds": round(seconds, 2), "answer": text})

@@ -40,8 +40,12 @@ KINDS = ("raw", "chat")
 SHOTS = 3
 
 
+def _data_dir() -> Path:
+    return Path(str(resources.files("ensemble_llm") / "data"))
+
+
 def calibration_data() -> list[dict]:
-    path = Path(str(resources.files("ensemble_llm") / "data" / "calibration.jsonl"))
+    path = _data_dir() / "calibration.jsonl"
     return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
 
 
@@ -61,6 +65,11 @@ def as_question(statement: str) -> str:
 BUNDLED_LOGLIKS = "calibration_bundled.json"  # in data/: written by `write_bundled_logliks`
 
 
+def _model_of(name: str) -> str:
+    """The member in a cache entry's name ("chat:gemma-3-270m|null|torch.float32|llama.cpp")."""
+    return name.split(":", 1)[1].split("|", 1)[0]
+
+
 def bundled_logliks(data_digest: str, shipped_path: Path | None = None) -> dict[str, list[float]]:
     """The bundled models' calibration log-likelihoods as they ship with the package, so that a
     first request does not spend its 18 s scoring the sample (measured here on the llama.cpp
@@ -68,7 +77,7 @@ def bundled_logliks(data_digest: str, shipped_path: Path | None = None) -> dict[
     pins now (its sha256), for the bundled name the entry is keyed by."""
     from .members.registry import BUNDLED
 
-    path = shipped_path or Path(str(resources.files("ensemble_llm") / "data")) / BUNDLED_LOGLIKS
+    path = shipped_path or _data_dir() / BUNDLED_LOGLIKS
     try:
         shipped = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -77,7 +86,7 @@ def bundled_logliks(data_digest: str, shipped_path: Path | None = None) -> dict[
         return {}
     out = {}
     for name, entry in shipped.get("entries", {}).items():
-        model = name.split(":", 1)[1].split("|", 1)[0]
+        model = _model_of(name)
         if model in BUNDLED and BUNDLED[model].sha256 == entry.get("sha256"):
             out[name] = entry["loglik"]
     return out
@@ -90,15 +99,14 @@ def write_bundled_logliks(cache_dir=None) -> Path:
     from .members.registry import BUNDLED
 
     calibrator = Calibrator(cache_dir)
-    digest = calibrator.path.stem.removeprefix("loglik-")
     disk = json.loads(calibrator.path.read_text())
-    entries = {}
-    for name, loglik in sorted(disk.items()):
-        model = name.split(":", 1)[1].split("|", 1)[0]
-        if model in BUNDLED:
-            entries[name] = {"sha256": BUNDLED[model].sha256, "loglik": loglik}
-    out = Path(str(resources.files("ensemble_llm") / "data")) / BUNDLED_LOGLIKS
-    out.write_text(json.dumps({"data_digest": digest, "entries": entries}, indent=1) + "\n")
+    entries = {
+        name: {"sha256": BUNDLED[_model_of(name)].sha256, "loglik": loglik}
+        for name, loglik in sorted(disk.items())
+        if _model_of(name) in BUNDLED
+    }
+    out = _data_dir() / BUNDLED_LOGLIKS
+    out.write_text(json.dumps({"data_digest": calibrator.digest, "entries": entries}, indent=1) + "\n")
     return out
 
 
@@ -126,8 +134,8 @@ class Calibrator:
 
     def __init__(self, cache_dir=None) -> None:
         self.data = calibration_data()
-        digest = hashlib.sha256(json.dumps(self.data, sort_keys=True).encode()).hexdigest()[:12]
-        self.path = cache_root(cache_dir) / "calibration" / f"loglik-{digest}.json"
+        self.digest = hashlib.sha256(json.dumps(self.data, sort_keys=True).encode()).hexdigest()[:12]
+        self.path = cache_root(cache_dir) / "calibration" / f"loglik-{self.digest}.json"
         self._memo: dict[str, list[float]] | None = None
 
     def _load(self) -> dict[str, list[float]]:
@@ -136,7 +144,7 @@ class Calibrator:
                 self._memo = json.loads(self.path.read_text())
             except (OSError, ValueError):
                 self._memo = {}
-            for name, loglik in bundled_logliks(self.path.stem.removeprefix("loglik-")).items():
+            for name, loglik in bundled_logliks(self.digest).items():
                 self._memo.setdefault(name, loglik)
         return self._memo
 
