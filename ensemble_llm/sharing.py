@@ -12,7 +12,9 @@ from typing import Any
 
 class SharedEngines:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # reentrant: a facade's finalizer (`_let_go`) runs whenever the garbage collector does, which
+        # can be inside this table's own lock in the same thread (CI hung there once, in get_or_add)
+        self._lock = threading.RLock()
         self._engines: dict[tuple, Any] = {}
         self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> facades holding it
 

@@ -4,12 +4,14 @@ LlamaIndex context window honoured in process (tiny random-weight members, real 
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 from langchain_ensemble_llm import EnsembleLLM as LangChainLLM
 from llama_index.llms.ensemble_llm import EnsembleLLM as LlamaIndexLLM
 
 from ensemble_llm import Ensemble
+from ensemble_llm.sharing import SharedEngines
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,30 @@ def test_the_last_facade_to_go_frees_the_shared_engine(pair):
     gc.collect()
     assert own._members is not None  # an engine= you passed stays yours
     own.close()
+
+
+def test_a_holder_collected_inside_the_table_lock_lets_go_without_a_deadlock(pair):
+    """The garbage collector may run a facade's finalizer while the same thread is inside the
+    table (building a key, as get_or_add does): the finalizer lets go there too."""
+
+    class Holder:
+        pass
+
+    table, engine, holder = SharedEngines(), Ensemble(pair, "unite", progress=False), Holder()
+    table.hold_for(holder, engine)
+    engine.generate("hi", max_new_tokens=2)
+
+    def collect_inside_the_lock():
+        nonlocal holder
+        with table._lock:
+            holder = None  # the last reference: the finalizer runs here, under the lock
+            gc.collect()
+
+    worker = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the finalizer waited on the lock its own thread holds"
+    assert engine._members is None  # the last holder went: the engine was closed
 
 
 def test_llamaindex_context_window_is_honoured_in_process(pair):
