@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from ensemble_llm.members import BUNDLED
-from ensemble_llm.members.convert import MARKER, TOKENIZER_CACHE, _temp_dir, is_converted, load_cached_tokenizer
+from ensemble_llm.members.convert import (
+    MARKER,
+    TOKEN_BYTES,
+    TOKENIZER_CACHE,
+    _temp_dir,
+    cached_token_bytes,
+    is_converted,
+    load_cached_tokenizer,
+)
 from ensemble_llm.members.vocab import token_bytes
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ensemble_llm"
@@ -104,10 +112,30 @@ def test_the_cached_tokenizer_is_the_built_one(tokenizer_dirs, tmp_path, name):
         len(cached),
     )
     assert built.chat_template == cached.chat_template and built.padding_side == cached.padding_side
-    assert token_bytes(built) == token_bytes(cached)
+    assert token_bytes(built) == token_bytes(cached) == cached_token_bytes(folder)  # saved with the cache
     assert built.added_tokens_decoder == cached.added_tokens_decoder  # read from the config's list
     config = json.loads((folder / TOKENIZER_CACHE / "tokenizer_config.json").read_text())
     assert len(config["added_tokens_decoder"]) == len(built.added_tokens_decoder)
+
+
+def test_token_bytes_that_differ_from_the_manifest_are_not_used(tokenizer_dirs, tmp_path):
+    """The saved token bytes are read only when they are what the manifest records; a member then
+    builds them from its tokenizer (the same bytes)."""
+    from ensemble_llm.members.member import TokenizerView
+
+    folder = _tokenizer_folder(Path(tokenizer_dirs["smollm2-135m-instruct"]), tmp_path / "smol")
+    tokenizer = load_cached_tokenizer(folder)
+    want = token_bytes(tokenizer)
+    saved = folder / TOKENIZER_CACHE / TOKEN_BYTES
+    raw = saved.read_bytes()
+    saved.write_bytes(raw[:-2] + raw[-1:] + raw[-2:-1])  # the same layout, two bytes swapped: only the sha256 tells
+    assert cached_token_bytes(folder) is None
+    view = TokenizerView()
+    view._init_tokens("smol", tokenizer, len(tokenizer) + 3, set(), str(folder))
+    view.tokenizer_folder = str(folder)
+    assert view.vocab_bytes == want[0] + [b""] * 3 and view.special_ids == want[1]
+    saved.unlink()
+    assert cached_token_bytes(folder) is None
 
 
 def test_a_tampered_cache_file_is_rebuilt(tokenizer_dirs, tmp_path):

@@ -76,7 +76,7 @@ def load_llama_member(source: Source, dev: torch.device, options: MemberOptions,
             runner=runner.result(),
         )
     check_tokenizer(member)
-    member.tokenizer_folder = str(folder)  # what a Ray actor sends its caller
+    member.tokenizer_folder = str(folder)  # what a Ray actor sends its caller; holds the token bytes
     member.load_seconds = time.perf_counter() - t0
     return member
 
@@ -358,6 +358,8 @@ def load_hf_member(
             "Install the package it names (GPTQ/AWQ checkpoints usually need a CUDA GPU too)."
         ) from exc
     member = Member(source.name, model, tokenizer, source=str(folder))
+    if source.kind in GGUF_KINDS:
+        member.tokenizer_folder = str(folder)  # its tokenizer cache holds the token bytes too
     member.load_seconds = time.perf_counter() - t0
     return member
 

@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from transformers import DynamicCache
 
 from .bytelm import ByteLM
 from .context import check_request, current_request, current_tally
+from .convert import cached_token_bytes
 from .headpad import pad_rows
 from .prefix import PrefixCache, configured_bytes, seed_cache
 from .rowgroups import RowGroupExecutor
@@ -50,6 +52,7 @@ class TokenizerView:
     `RayMember` (ensemble_llm/ray/) adds a model in a Ray actor, tokenization staying with the caller."""
 
     remote = False  # True for a member whose model runs in a Ray actor (its forwards run apart)
+    tokenizer_folder: str | None = None  # a folder whose tokenizer we cached (convert.load_cached_tokenizer)
 
     def _init_tokens(self, name: str, tokenizer, vocab_size: int, eos_ids, source: str) -> None:
         self.name = name
@@ -87,7 +90,11 @@ class TokenizerView:
     # ---- text <-> tokens ---------------------------------------------------------------
     @cached_property
     def _vocab(self) -> tuple[list[bytes], frozenset[int]]:
-        return token_bytes(self.tokenizer, self.vocab_size)
+        saved = cached_token_bytes(Path(self.tokenizer_folder)) if self.tokenizer_folder else None
+        if saved is None:
+            return token_bytes(self.tokenizer, self.vocab_size)
+        pieces, special = saved
+        return pieces + [b""] * max(0, self.vocab_size - len(pieces)), special
 
     @property
     def vocab_bytes(self) -> list[bytes]:
