@@ -197,6 +197,18 @@ def test_backend_choice_and_its_errors(tiny_dirs):
     assert isinstance(m, LlamaMember) and m.runner.n_ctx == 8 * 2048
 
 
+def test_a_file_llama_cpp_cannot_load_is_refused_with_its_reason(tmp_path):
+    """The reason comes from llama.cpp's own error lines (its log callback drops them: they are
+    read again from a second open of the failed file), and a later load still works."""
+    from ensemble_llm.members.llama_cpp import LlamaRunner
+
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(gguf_file(resolve_source(SMOL), progress=False).read_bytes()[:4096])
+    with pytest.raises(ConfigError, match=r"could not load .*truncated\.gguf \(.*failed to load model.*\); check"):
+        LlamaRunner(str(bad), 256, 1, 0)
+    assert fresh(SMOL).runner.n_vocab == 49152
+
+
 def test_a_request_that_cannot_fit_the_context_is_refused_and_the_engine_answers():
     eng = Ensemble([SMOL], max_batch=1).load()  # a context of 2048 cells
     with pytest.raises(KVBudgetError, match="kv_budget"):
