@@ -1,9 +1,10 @@
 """What `Ensemble.close()` gives back: resident memory of a fresh process before the bundled pair
 loads, after a request, after close(), and after a second load, request and close (a leak would
-grow it). Each reading runs in its own fresh process, twice: once with only `ensemble_llm`
-imported before the load, and once with the libraries a load imports (llama_cpp, transformers'
-tokenizers, llguidance) imported first, which separates code that stays mapped once imported
-from memory close() should have freed.
+grow it). Each row is several fresh processes (the figure moves between runs of the same code):
+one with only `ensemble_llm` imported before the load; one with the libraries a load imports
+(llama_cpp, transformers' tokenizers, llguidance) imported first, which separates code that stays
+mapped once imported from memory close() should have freed; and one with glibc held to a single
+malloc arena (MALLOC_ARENA_MAX=1), which shows what the threads' own arenas keep.
 
     python benchmarks/close_memory.py --out benchmarks/results/close_memory
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -43,30 +46,49 @@ print(json.dumps(readings))
 """
 
 
-def measure(baseline: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE, baseline], capture_output=True, text=True, check=True)
+ROWS = {  # label: (what the probe imports first, extra environment)
+    "ensemble_llm only": ("package", {}),
+    "ensemble_llm and the libraries": ("libraries", {}),
+    "ensemble_llm only, one malloc arena (MALLOC_ARENA_MAX=1)": ("package", {"MALLOC_ARENA_MAX": "1"}),
+}
+
+
+def measure(baseline: str, env: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, baseline], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def ratio(readings: dict) -> float:
+    return readings["after close (2)"] / readings["before load"]
+
+
 def table(results: dict) -> str:
-    rows = ["| imported before the load | " + " | ".join(next(iter(results.values()))) + " | after close / before |"]
-    rows.append("|---" * (len(next(iter(results.values()))) + 2) + "|")
-    for baseline, readings in results.items():
-        ratio = readings["after close (2)"] / readings["before load"]
-        rows.append(f"| {baseline} | " + " | ".join(f"{v:.0f} MiB" for v in readings.values()) + f" | {ratio:.2f} |")
+    """Each row: the median run's readings, then every run's ratio after the second close."""
+    first = next(iter(results.values()))[0]
+    rows = ["| imported before the load | " + " | ".join(first) + " | after close / before, median | each run |"]
+    rows.append("|---" * (len(first) + 3) + "|")
+    for label, runs in results.items():
+        ratios = [ratio(r) for r in runs]
+        median = sorted(runs, key=ratio)[len(runs) // 2]
+        each = ", ".join(f"{x:.2f}" for x in ratios)
+        cells = " | ".join(f"{v:.0f} MiB" for v in median.values())
+        rows.append(f"| {label} | {cells} | {statistics.median(ratios):.2f} | {each} |")
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", type=int, default=5, help="fresh processes per row")
     args = parser.parse_args()
-    results = {"ensemble_llm only": measure("package"), "ensemble_llm and the libraries": measure("libraries")}
+    results = {label: [measure(b, env) for _ in range(args.runs)] for label, (b, env) in ROWS.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     note = (
         "# Resident memory around Ensemble.close()\n\nThe bundled pair (default backends), one request of "
-        "16 tokens per load, two load/close cycles, each row a fresh process. Command: "
+        f"16 tokens per load, two load/close cycles, {args.runs} fresh processes per row. Command: "
         "`python benchmarks/close_memory.py --out benchmarks/results/close_memory`.\n\n"
     )
     (args.out / "results.md").write_text(note + table(results) + "\n")

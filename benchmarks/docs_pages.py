@@ -55,6 +55,12 @@ STUDIES = {
         "`python benchmarks/cli_latency.py`.",
         ["cli_latency/results.md"],
     ),
+    "close_memory": (
+        "Memory after close()",
+        "What `Ensemble.close()` gives back: resident memory of fresh processes before the bundled pair "
+        "loads, after a request, and after two load/close cycles. `python benchmarks/close_memory.py`.",
+        ["close_memory/results.md"],
+    ),
     "chat": (
         "Chat on llama.cpp members",
         "Whether the ensemble holds up in chat: `chat_facts` (45 factual questions, each sent as one chat "
