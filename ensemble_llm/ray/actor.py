@@ -156,7 +156,7 @@ class MemberActor:
         return self._tokenizer_files()
 
     def _tokenizer_files(self) -> dict[str, bytes]:
-        folder = Path(getattr(self.member, "tokenizer_folder", self.member.source))  # llama.cpp: not its GGUF
+        folder = Path(self.member.tokenizer_folder or self.member.source)  # llama.cpp: not its GGUF
         return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.name in TOKENIZER_FILE_NAMES}
 
     def call(self, op: str, args: tuple, dead: list[int], tags: tuple = ()) -> Any:
