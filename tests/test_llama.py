@@ -197,6 +197,29 @@ def test_backend_choice_and_its_errors(tiny_dirs):
     assert isinstance(m, LlamaMember) and m.runner.n_ctx == 8 * 2048
 
 
+def test_specfuse_drafts_side_by_side_on_a_cpu_pair_and_writes_what_it_writes_in_turn(monkeypatch):
+    """On the CPU the llama.cpp pair drafts and scores in two threads, each decode on its share of
+    the cores (one thread of two); the greedy texts are those of the members taking turns on every
+    core, and a decode outside the drafts gets every core again."""
+    from ensemble_llm.members.llama_cpp import LlamaRunner
+    from ensemble_llm.methods.specfuse import _FuseRun
+
+    engine = Ensemble([SMOL, GEMMA], method="specfuse")
+    for m in engine.members:  # no stored prompts: each pass's cells sit where the other's sat (see llama_cpp.py)
+        m.prefixes.clear()
+        monkeypatch.setattr(m.prefixes, "max_bytes", 0)
+    threads = []
+    set_threads = LlamaRunner.set_threads
+    monkeypatch.setattr(LlamaRunner, "set_threads", lambda r, n: (threads.append(n), set_threads(r, n))[1])
+    side_by_side = [engine.generate(p, max_new_tokens=24, raw=True).text for p in PROMPTS]
+    assert 1 in threads and max(threads) == min(m.cores for m in engine.members) == 2
+    monkeypatch.setattr(_FuseRun, "map", lambda run, fn, items: [fn(x) for x in items])
+    threads.clear()
+    in_turn = [engine.generate(p, max_new_tokens=24, raw=True).text for p in PROMPTS]
+    assert in_turn == side_by_side and set(threads) == {2}
+    assert all(not m._sharing for m in engine.members)
+
+
 def test_a_file_llama_cpp_cannot_load_is_refused_with_its_reason(tmp_path):
     """The reason comes from llama.cpp's own error lines (its log callback drops them: they are
     read again from a second open of the failed file), and a later load still works."""

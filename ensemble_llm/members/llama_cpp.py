@@ -151,6 +151,13 @@ class LlamaRunner:
         self._seq_rows = [self.batch.seq_id[i] for i in range(n_batch)]
         self.seqs = SeqPool(self, MAX_SEQ)
         self.decodes = 0  # llama_decode calls (figures)
+        self.n_threads = n_threads
+
+    def set_threads(self, n: int) -> None:
+        """The threads the next decodes use (llama.cpp takes a new count at any decode)."""
+        if n != self.n_threads:
+            self.lib.llama_set_n_threads(self.ctx, n, n)
+            self.n_threads = n
 
     def close(self) -> None:
         lib = self.lib

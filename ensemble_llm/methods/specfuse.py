@@ -267,8 +267,14 @@ class _FuseRun:
         self.w = w / w.sum()
         self.active = [True] * self.k
         self.st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
-        # members on different devices, or in Ray actors, draft and score in parallel threads
-        parallel = len({str(m.device) for m in members}) > 1 or any(m.remote for m in members)
+        # members on different devices, in Ray actors, or on llama.cpp on the CPU (sharing its cores:
+        # `LlamaMember.sharing_cores`) draft and score in parallel threads
+        self.cpu_sharing = [m for m in members if hasattr(m, "sharing_cores") and m.device.type == "cpu"]
+        parallel = (
+            len({str(m.device) for m in members}) > 1
+            or any(m.remote for m in members)
+            or len(self.cpu_sharing) == self.k
+        )
         self.ctx = current_request()  # the request's deadline, counts and steps hold in the threads too
         # one generator per member when drafting in parallel, so sampling stays reproducible
         self.gens = [req.generator] * self.k
@@ -294,7 +300,9 @@ class _FuseRun:
             with sched.request(part) if sched else contextlib.nullcontext(), request_scope(part):
                 return fn(x)
 
-        with outside_steps():  # the steps wait for the threads, not for this one
+        with outside_steps(), contextlib.ExitStack() as sharing:  # the steps wait for the threads, not this one
+            for m in self.cpu_sharing:
+                sharing.enter_context(m.sharing_cores(len(self.cpu_sharing)))
             return list(self.pool.map(guarded, items))
 
     def round(self) -> tuple[str, bool]:
