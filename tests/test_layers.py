@@ -68,6 +68,7 @@ FLOORS = {
         "methods.specfuse",
         "methods.smc",
         "methods.text",
+        "methods.side",
         "pipeline",
     },
     4: {"engine"},

@@ -24,21 +24,18 @@ One round:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from ..errors import ConfigError
-from ..members.context import current_request, request_scope
 from ..members.rows import pick_token
-from ..members.scheduler import outside_steps
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
 from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
+from .side import SideBySide
 from .text import Utf8Releaser
 from .unite import check_ensemble_members, check_weights
 
@@ -267,15 +264,8 @@ class _FuseRun:
         self.w = w / w.sum()
         self.active = [True] * self.k
         self.st = req.stats = SpecFuseStats(wins={m.name: 0 for m in members})
-        # members on different devices, in Ray actors, or on llama.cpp on the CPU (sharing its cores:
-        # `LlamaMember.sharing_cores`) draft and score in parallel threads
-        self.cpu_sharing = [m for m in members if hasattr(m, "sharing_cores") and m.device.type == "cpu"]
-        parallel = (
-            len({str(m.device) for m in members}) > 1
-            or any(m.remote for m in members)
-            or len(self.cpu_sharing) == self.k
-        )
-        self.ctx = current_request()  # the request's deadline, counts and steps hold in the threads too
+        self.side = SideBySide(members)  # members apart, or sharing the CPU, draft and score in parallel threads
+        parallel = self.side.on
         # one generator per member when drafting in parallel, so sampling stays reproducible
         self.gens = [req.generator] * self.k
         if parallel and req.generator is not None and req.temperature > 0:
@@ -286,24 +276,10 @@ class _FuseRun:
         self.emit = Utf8Releaser()  # the winners are whole characters: each is released as it is committed
         if self.guide:
             self.guide.check_budget(req.main, req.max_new_tokens)
-        self.pool = ThreadPoolExecutor(max_workers=self.k) if parallel else None
 
     def map(self, fn, items) -> list:
-        """fn over items: in the pool's threads (under the request's deadline) when there is one."""
-        if self.pool is None:
-            return [fn(x) for x in items]
-        ctx = self.ctx
-        sched = None if ctx is None or ctx.scheduler is None or not ctx.scheduler.joined(ctx) else ctx.scheduler
-
-        def guarded(x):  # each thread's forwards join the steps, as the request's would
-            part = None if ctx is None else ctx.for_part()
-            with sched.request(part) if sched else contextlib.nullcontext(), request_scope(part):
-                return fn(x)
-
-        with outside_steps(), contextlib.ExitStack() as sharing:  # the steps wait for the threads, not this one
-            for m in self.cpu_sharing:
-                sharing.enter_context(m.sharing_cores(len(self.cpu_sharing)))
-            return list(self.pool.map(guarded, items))
+        """fn over items: side by side when the members gain by it (methods/side.py)."""
+        return self.side.map(fn, items)
 
     def round(self) -> tuple[str, bool]:
         """One round up to its commit: (the text committed, whether the reply ends). The members
@@ -405,7 +381,6 @@ class _FuseRun:
         return seg, ids, eos
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+        self.side.close()
         self.st.weights = {m.name: round(float(x), 4) for m, x in zip(self.members, self.w)}
         self.st.active = {m.name: a for m, a in zip(self.members, self.active)}
