@@ -32,16 +32,20 @@ class SideBySide:
         """`apart`: also side by side for members on different devices or in Ray actors."""
         self.sharing = sharing_cpu(members)
         separate = len({str(m.device) for m in members}) > 1 or any(m.remote for m in members)
-        self.on = len(members) > 1 and ((apart and separate) or len(self.sharing) == len(members))
+        self.apart = len(members) > 1 and apart and separate
+        self.on = self.apart or (len(members) > 1 and len(self.sharing) == len(members))
         self.ctx = current_request()  # the request's deadline, counts and steps hold in the threads too
         self.pool = ThreadPoolExecutor(max_workers=len(members)) if self.on else None
 
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list:
-        """fn over items: in the pool's threads when `on`, else one after another here."""
-        if self.pool is None:
-            return [fn(x) for x in items]
+        """fn over items: in the pool's threads when `on`, else one after another here. Members that
+        share the CPU take turns while other requests run: the steps then batch the requests' calls,
+        and threads of their own would split the cores under every batched step (8 clients of
+        specfuse here: 17.5 tok/s side by side against 25.4 in turn)."""
         ctx = self.ctx
         sched = None if ctx is None or ctx.scheduler is None or not ctx.scheduler.joined(ctx) else ctx.scheduler
+        if self.pool is None or (not self.apart and sched is not None and sched.batching(ctx)):
+            return [fn(x) for x in items]
 
         def guarded(x):  # each thread's forwards join the steps, as the request's would
             part = None if ctx is None else ctx.for_part()
