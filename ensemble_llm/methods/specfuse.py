@@ -5,7 +5,8 @@ One round:
 1. draft: each active member drafts up to `segment_len` tokens on its own KV cache (sampling or
    greedy); a draft that ends mid-word is cut back to its last space (unless it ended with EOS),
    and to complete UTF-8; the cache is then cropped back to the shared text. Members on different
-   devices draft in parallel threads; on one device they take turns (they would only contend).
+   devices draft in parallel threads, and so do llama.cpp members on the CPU while the request
+   runs alone (methods/side.py); otherwise they take turns (they would only contend).
 2. verify in-line: each member scores all candidates in ONE forward on top of its cached context
    (`Member.score_inline`: candidates re-tokenized by that member, block attention mask, position
    ids restarting at the context length). The context's KV cache is reused across rounds.
