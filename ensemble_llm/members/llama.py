@@ -120,10 +120,8 @@ class LlamaMember(TokenizerView):
 
     @contextlib.contextmanager
     def sharing_cores(self, members: int):
-        """While `members` members decode at once on these cores (specfuse's parallel drafts), each
-        decode of this one uses its share of the threads: two one-thread decodes side by side
-        (SmolLM2 7.3 ms, Gemma-3 12.0 ms a token on 2 cores) beat the same two one after the other
-        on two threads each (5.7 + 10.2 ms); two-thread decodes side by side would oversubscribe."""
+        """While `members` members decode at once on these cores (methods/side.py), each decode of
+        this one takes its share of the threads: two-thread decodes side by side would oversubscribe."""
         with self._sharing_lock:
             self._sharing.append(members)
         try:
@@ -133,7 +131,9 @@ class LlamaMember(TokenizerView):
                 self._sharing.remove(members)
 
     def decode_threads(self) -> int:
-        return max(1, self.cores // max(self._sharing)) if self._sharing else self.cores
+        """The threads of the next decode: every core, or its share while it decodes side by side."""
+        with self._sharing_lock:
+            return max(1, self.cores // max(self._sharing)) if self._sharing else self.cores
 
     def close(self) -> None:
         """Free the context and the model (the member is unusable after)."""

@@ -3,11 +3,13 @@
 They gain on different devices and in Ray actors (each computes apart), and as llama.cpp members
 on the CPU, which then split its cores (`LlamaMember.sharing_cores`): two one-thread decodes at
 once beat the same two in turn on every core (the bundled pair, one token: 7.3 and 12.0 ms side
-by side against 5.7 + 10.2 ms in turn, 2 cores). Transformers members on one device only contend, so they take turns.
-Each thread runs under the request's deadline and counts, and its forwards join the request's
-steps, as the request's own would. It pays where each thread runs many calls (specfuse's drafts
-of a segment: 30.0 -> 33-35 tok/s on the llama.cpp pair); one call each, then a barrier, does not
-(unite's primary and views at every token: 50.7 against 50.3-52.9 tok/s, kept in turn).
+by side against 5.7 + 10.2 ms in turn, 2 cores). Transformers members on one device only
+contend, so they take turns. Each thread runs under the request's deadline and counts, and its
+forwards join the request's steps, as the request's own would.
+
+It pays where each thread runs many calls (specfuse's drafts of a segment: 30.0 -> 33-35 tok/s
+on the llama.cpp pair); one call each and then a barrier does not (unite's primary and views at
+every token: 50.7 against 50.3-52.9 tok/s, so unite keeps its members in turn).
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ def sharing_cpu(members: Sequence[Any]) -> list:
 class SideBySide:
     """Runs one request's calls on its members at once when they gain by it (`on`), else in turn."""
 
-    def __init__(self, members: Sequence[Any], *, apart: bool = True) -> None:
-        """`apart`: also side by side for members on different devices or in Ray actors."""
+    def __init__(self, members: Sequence[Any]) -> None:
         self.sharing = sharing_cpu(members)
         separate = len({str(m.device) for m in members}) > 1 or any(m.remote for m in members)
-        self.apart = len(members) > 1 and apart and separate
+        self.apart = len(members) > 1 and separate
         self.on = self.apart or (len(members) > 1 and len(self.sharing) == len(members))
         self.ctx = current_request()  # the request's deadline, counts and steps hold in the threads too
         self.pool = ThreadPoolExecutor(max_workers=len(members)) if self.on else None
