@@ -24,6 +24,7 @@ else the cache held.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import weakref
 from collections import deque
@@ -230,24 +231,25 @@ def _quiet_log(lib):
     Gemma-3) never wait for Python's lock. A Python callback made Gemma's model open take 1.15 s
     instead of 0.42 s while another thread ran Python (the pair's loads do). A failed load is
     opened again with `_ErrorLines` to say why. Without a C library to take it from, a Python
-    callback that keeps the error lines."""
+    callback that writes the error lines to stderr."""
     if not _LOG:
         try:
             _LOG.append(ctypes.cast(ctypes.CDLL(None).abs, lib.llama_log_callback))
         except (OSError, AttributeError, TypeError):  # no libc handle here (Windows)
-            _LOG.append(_ErrorLines(lib).callback)
+            _LOG.append(_ErrorLines(lib, sys.stderr.write).callback)
     return _LOG[0]
 
 
 class _ErrorLines:
-    """A Python log callback that keeps llama.cpp's error lines (`lines`)."""
+    """A Python log callback that hands llama.cpp's error lines to `sink` (by default: keeps them in `lines`)."""
 
-    def __init__(self, lib) -> None:
+    def __init__(self, lib, sink=None) -> None:
         self.lines: list[str] = []
+        keep = sink or (lambda text: self.lines.append(text.strip()))
 
         def log(level, text, user_data):
             if level == 4:  # GGML_LOG_LEVEL_ERROR
-                self.lines.append(text.decode("utf-8", errors="replace").strip())
+                keep(text.decode("utf-8", errors="replace"))
 
         self.callback = lib.llama_log_callback(log)
 
