@@ -175,6 +175,7 @@ class Ensemble:
     def close(self) -> None:
         """Free the members (the next request loads them again); `with Ensemble(...) as engine:` calls it."""
         self._worker.wait_idle(5.0)  # a request that just answered: its thread lets go of the members
+        self._worker.stop()
         with self._load_lock:
             members, self._members, self._method = self._members, None, None
         SHARED_ENGINES.drop(self)

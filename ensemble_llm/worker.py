@@ -50,9 +50,18 @@ class Worker:
                 thread.start()
         self._jobs.put((job, sink, cancel))
 
+    def stop(self) -> None:
+        """The idle threads end (the engine's close: no thread outlives its use); a busy one ends
+        after its job. A later job starts threads again."""
+        with self._lock:
+            live, self._threads = [t for t in self._threads if t.is_alive()], []
+        for _ in live:
+            self._jobs.put(None)
+
     def _work(self) -> None:
-        while True:
-            job, sink, cancel = self._jobs.get()
+        while (item := self._jobs.get()) is not None:
+            job, sink, cancel = item
+            item = None
             try:
                 if cancel.is_set():
                     continue
@@ -62,7 +71,8 @@ class Worker:
                     sink("error", exc)
                 except BaseException as exc:  # SystemExit, KeyboardInterrupt: the caller hears of it, the thread ends
                     with self._lock:  # no longer counted: the next job gets a new thread
-                        self._threads.remove(threading.current_thread())
+                        if threading.current_thread() in self._threads:  # (stop() may have let it go)
+                            self._threads.remove(threading.current_thread())
                     sink("error", GenerationError(f"generation stopped: {type(exc).__name__}: {exc}"))
                     raise
             finally:

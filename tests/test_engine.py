@@ -298,6 +298,16 @@ def test_budget_never_ends_in_a_replacement_character(engine):
         assert not res.text.endswith("\ufffd")
 
 
+def _still_alive(threads, wait: float = 5.0) -> list:
+    """The threads still alive after up to `wait` seconds."""
+    import time
+
+    deadline = time.monotonic() + wait
+    while (live := [t for t in threads if t.is_alive()]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return live
+
+
 def test_close_frees_the_members_and_a_later_request_loads_them_again(tiny_dirs):
     import gc
     import weakref
@@ -308,10 +318,14 @@ def test_close_frees_the_members_and_a_later_request_loads_them_again(tiny_dirs)
     with Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="unite", config={"weights": None}) as eng:
         first = eng.generate("Hi", max_new_tokens=3).text
         refs = [weakref.ref(m) for m in eng.members]
+        threads = list(eng._worker._threads)
     gc.collect()
     assert all(r() is None for r in refs)  # no cache, engine or method keeps them
-    assert eng.generate("Hi", max_new_tokens=3).text == first  # loaded again
+    assert threads and not _still_alive(threads)  # nor a thread of its worker, idle on its queue
+    assert eng.generate("Hi", max_new_tokens=3).text == first  # loaded again, on a new thread
+    threads = list(eng._worker._threads)
     eng.close()
+    assert threads and not _still_alive(threads)
     shared = Ensemble.shared([tiny_dirs["smol"]])
     shared.close()
     assert Ensemble.shared([tiny_dirs["smol"]]) is not shared  # a closed shared engine is not handed out

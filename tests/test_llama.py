@@ -19,6 +19,7 @@ from ensemble_llm.members.llama import LlamaByteLM, LlamaMember, check_tokenizer
 from ensemble_llm.members.loader import gguf_file, gguf_tokenizer, resolve_backend, resolve_source
 from ensemble_llm.members.options import MemberOptions
 from ensemble_llm.members.plan import gguf_params_and_config, kv_bytes_per_token
+from ensemble_llm.members.prefix import configured_bytes
 from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill, Score
 
 pytest.importorskip("llama_cpp")
@@ -333,3 +334,33 @@ def test_the_facades_and_serve_on_llama_members():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+GREEDY_PROMPT = (
+    "You are a careful assistant. Answer in one short paragraph, plainly and without lists. "
+    "Tell me about the sea and the ships that sail on it."
+)
+
+
+@pytest.mark.parametrize("method,config", TINY_METHODS, ids=[m for m, _ in TINY_METHODS])
+def test_a_greedy_request_alone_repeats_with_its_prefix_reused_or_not(method, config):
+    """The same greedy request five times alone: one text, and the text of an engine that keeps no
+    prompts. The later runs start from the stored prompt's cells (usage.cached_tokens): llama.cpp's
+    results depend on a decode's size and on the order of a sequence's cells, so a reused prompt is
+    restored outside the cells the rest runs in, and its rest runs in the same aligned pieces."""
+    members = [SMOL] if method == "single" else [SMOL, GEMMA]
+    eng = Ensemble(members, method, config, progress=False).load()
+    for m in eng.members:  # members are shared in the process: none starts with this prompt's beginning kept
+        m.prefixes.clear()
+    runs = [eng.generate(GREEDY_PROMPT, max_new_tokens=24, temperature=0) for _ in range(5)]
+    assert len({r.text for r in runs}) == 1, [r.text for r in runs]
+    assert runs[0].usage.cached_tokens == 0 and all(r.usage.cached_tokens >= 32 for r in runs[1:])
+    for m in eng.members:
+        m.prefixes.clear()
+        m.prefixes.max_bytes = 0
+    try:
+        off = [eng.generate(GREEDY_PROMPT, max_new_tokens=24, temperature=0).text for _ in range(2)]
+    finally:
+        for m in eng.members:
+            m.prefixes.max_bytes = configured_bytes()
+    assert off == [runs[0].text] * 2

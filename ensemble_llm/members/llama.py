@@ -9,8 +9,8 @@ it (`check_tokenizer`), and a mismatch is refused.
 A state is one sequence of the member's context (`LlamaState.seq`): prefill and extend decode it,
 crop is `seq_rm`, specfuse's candidates are forks of it (`seq_cp`: the new sequence shares the
 state's cells, nothing is copied) and keeping one makes that fork the state; smc's tree nodes are
-forks too (`LlamaByteLM`); a prompt that begins like a stored one starts as a fork of it
-(prefix.py's entries hold a sequence each).
+forks too (`LlamaByteLM`); a prompt that begins like a stored one starts from the stored prompt's
+cells (prefix.py's entries hold them as bytes, outside the context: `LlamaRunner.save`/`restore`).
 
 Every call of one step, whatever its kind and request, is one `llama_decode` (`LlamaExecutor`):
 each call's tokens at its own positions in its own sequence, logits only where a call reads them.
@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -32,13 +33,14 @@ import torch
 from ..errors import ConfigError
 from .bytelm import Beam, ByteLM, Context, Hyp
 from .context import check_request, current_tally
-from .llama_cpp import KVFull, LlamaRunner, Seq
+from .llama_cpp import LlamaRunner, Seq
 from .member import TokenizerView
-from .prefix import PrefixCache, configured_bytes
+from .prefix import MIN_TOKENS, PrefixCache, configured_bytes
 from .scheduler import outside_steps, run_call
 from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
 
 _SERIAL = itertools.count(1)
+PROMPT_PIECE = 32  # prompt tokens per decode, aligned (`prompt_pieces`); under llama.cpp's 64-row tiles
 TOKENIZER_SAMPLE = (
     "The capital of France is Paris.\nQ: What is 12 + 7?\nA: 19\n",
     "  Déjà vu — naïve café, 東京 and 😀 emoji; tabs\tand  spaces.",
@@ -68,9 +70,18 @@ def cpu_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def open_runner(path: str, n_ctx: int, device: torch.device, n_threads: int | None = None) -> LlamaRunner:
-    """The GGUF model and its context on llama.cpp: every layer on the GPU for a CUDA device."""
-    return LlamaRunner(path, n_ctx, n_threads or cpu_cores(), -1 if device.type == "cuda" else 0)
+def open_runner(
+    path: str, n_ctx: int, device: torch.device, n_threads: int | None = None, cache_dir=None
+) -> LlamaRunner:
+    """The GGUF model and its context on llama.cpp: every layer on the GPU for a CUDA device, in the
+    configuration this CPU and build survive (llama_health.py: checked in a child process first)."""
+    from .llama_health import unhealthy_error, verdict
+
+    v = verdict(Path(path), cache_dir)
+    if not v.healthy:
+        raise unhealthy_error(v, path)
+    gpu_layers = -1 if device.type == "cuda" else 0
+    return LlamaRunner(path, n_ctx, n_threads or cpu_cores(), gpu_layers, extra_bufts=bool(v.extra_bufts))
 
 
 class LlamaMember(TokenizerView):
@@ -111,7 +122,7 @@ class LlamaMember(TokenizerView):
         self.n_forward = 0
         self.n_prefill = 0
         self.forward_time = 0.0
-        self.prefixes = PrefixCache(configured_bytes())  # stored prompts: a sequence each
+        self.prefixes = PrefixCache(configured_bytes())  # stored prompts: their cells saved as bytes
         self._lock = threading.RLock()  # one decode at a time; sequences change under it
         self.executor = LlamaExecutor(self)
 
@@ -312,6 +323,17 @@ class LlamaMember(TokenizerView):
             tally.add(self, 1, seconds)
 
 
+def prompt_pieces(start: int, end: int) -> list[tuple[int, int]]:
+    """The decodes that run a prompt's tokens start..end (start: a multiple of PROMPT_PIECE): every
+    piece inside one aligned block of PROMPT_PIECE positions, and the last token alone. So a token
+    is computed in the same decode shape whether the prompt's beginning was reused or not, and
+    greedy repeats: llama.cpp's results depend on a decode's size (its kernels for a batch of rows)
+    and, from 64 rows, on where the cells sit (its tiled attention); one token alone and blocks of
+    fewer than 64 rows take its row-by-row attention, which skips the cells a sequence does not see."""
+    bounds = list(range(start, end - 1, PROMPT_PIECE)) + [end - 1, end]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 class LlamaExecutor:
     """A llama.cpp member's executor (steps.Executor): every call of a step, of any kind and any
     request, in one `llama_decode` (see the module)."""
@@ -341,33 +363,29 @@ class LlamaExecutor:
                     self.member.runner.seq_rm(state.seq.id, len(state.ids), -1)
 
     def run(self, calls: Sequence[StepCall], config: BatchingConfig) -> None:
+        """Every call's first piece in one decode, then the prompts' later pieces (`_prompt`) in
+        as many more: piece k of every call that has one in decode k."""
         m = self.member
         with m._lock:
             plans = [self._plan(c) for c in calls]
-            tokens = [t for p in plans for t in p[0]]
-            positions = [x for p in plans for x in p[1]]
-            seqs = [s for p in plans for s in p[2]]
-            wants = [w for p in plans for w in p[3]]
+            rows: list[list[np.ndarray]] = [[] for _ in plans]
             t0 = time.perf_counter()
-            rows = torch.from_numpy(self.decode(tokens, positions, seqs, wants))
+            for k in range(max(len(p[0]) for p in plans)):
+                part = [(i, p[0][k]) for i, p in enumerate(plans) if k < len(p[0])]
+                cols = [[x for _, piece in part for x in piece[j]] for j in range(4)]
+                out, at = self.decode(*cols), 0
+                for i, piece in part:
+                    n = sum(piece[3])
+                    rows[i].append(out[at : at + n])
+                    at += n
             m._counted([c.tally for c in calls], time.perf_counter() - t0)
-            at = 0
-            for p in plans:
-                n = sum(p[3])
-                p[4](rows[at : at + n])
-                at += n
+            for p, got in zip(plans, rows):
+                p[1](torch.from_numpy(got[0] if len(got) == 1 else np.concatenate(got)))
 
     def decode(self, tokens, positions, seqs, wants) -> np.ndarray:
-        """The runner's decode; when the cache is full, the stored prompts go and it runs again."""
         runner = self.member.runner
         runner.set_threads(self.member.decode_threads())
-        try:
-            return runner.decode(tokens, positions, seqs, wants)
-        except KVFull:
-            if not len(self.member.prefixes):
-                raise
-            self.member.prefixes.clear()
-            return runner.decode(tokens, positions, seqs, wants)
+        return runner.decode(tokens, positions, seqs, wants)
 
     def _plan(self, call: StepCall) -> tuple:
         """(tokens, positions, sequence ids, wants logits, finish(rows)) of one call."""
@@ -398,7 +416,7 @@ class LlamaExecutor:
             state.next_logprobs = logp[-1]
             call.result = logp
 
-        return toks, list(range(p0, p0 + len(toks))), [sid] * len(toks), wants, finish
+        return [(toks, list(range(p0, p0 + len(toks))), [sid] * len(toks), wants)], finish
 
     def _score(self, call: Score) -> tuple:
         """Each candidate in a fork of the state (sharing its cells), every candidate token's logits."""
@@ -418,21 +436,23 @@ class LlamaExecutor:
         def finish(rows: torch.Tensor) -> None:
             call.result = rows
 
-        return tokens, positions, seqs, [True] * len(tokens), finish
+        return [(tokens, positions, seqs, [True] * len(tokens))], finish
 
     def _prompt(self, call: Prefill) -> tuple:
         """A prompt from the longest stored beginning (a fork of the stored prompt's sequence), its
-        rest decoded with logits at the rows before the positions it scores and at its last row."""
+        rest decoded with logits at the rows before the positions it scores and at its last row,
+        in canonical pieces (`prompt_pieces`)."""
         m, state, ids = self.member, call.state, call.ids
-        n, entry = m.prefixes.match(ids, call.positions)
+        n, entry = m.prefixes.match(ids, call.positions, align=PROMPT_PIECE)
         seq = self._seq(state)
+        if entry is not None and not m.runner.restore(seq.id, entry.kv, n):
+            n, entry = 0, None
         if entry is not None:
-            m.runner.seq_cp(entry.kv.id, seq.id, 0, n)
             if call.tally is not None:
                 call.tally.reused[id(m)] = call.tally.reused.get(id(m), 0) + n
         run = [q for q in call.positions or () if q > n]
         reads = sorted({q - 1 for q in run} | {len(ids) - 1})
-        wants = [q in set(reads) for q in range(n, len(ids))]
+        wants = {q for q in reads}
 
         def finish(rows: torch.Tensor) -> None:
             state.ids = list(ids)
@@ -446,16 +466,21 @@ class LlamaExecutor:
             self._store(state, scores)
             call.result = state.next_logprobs[None] if call.positions is None else [scores[q] for q in call.positions]
 
-        return ids[n:], list(range(n, len(ids))), [seq.id] * (len(ids) - n), wants, finish
+        pieces = [
+            (ids[a:b], list(range(a, b)), [seq.id] * (b - a), [q in wants for q in range(a, b)])
+            for a, b in prompt_pieces(n, len(ids))
+        ]
+        return pieces, finish
 
     def _store(self, state: LlamaState, scores: dict[int, float]) -> None:
-        """Keep the prompt for later prompts that begin alike: a fork of its sequence (no copy)."""
+        """Keep the prompt for later prompts that begin alike: its cells saved as bytes, outside the
+        context. A stored prompt holds no cells, so a request run alone starts on an empty cache and
+        its cells land where they landed the time before (`prompt_pieces`)."""
         m = self.member
-        if m.prefixes.max_bytes <= 0 or not m.kv_per_token:
+        if m.prefixes.max_bytes <= 0 or len(state.ids) <= MIN_TOKENS:
             return
-        keep = m.runner.seqs.take()
-        m.runner.seq_cp(state.seq.id, keep.id, -1, -1)
-        m.prefixes.put(state.ids, keep, scores, size=len(state.ids) * m.kv_per_token)
+        data = m.runner.save(state.seq.id)
+        m.prefixes.put(state.ids, data, scores, size=len(data))
 
     def _tree(self, call: Tree) -> tuple:
         """smc's new contexts: each a fork of its parent's sequence plus its token."""
@@ -473,7 +498,7 @@ class LlamaExecutor:
         def finish(rows: torch.Tensor) -> None:
             call.result = (rows, forks)
 
-        return tokens, positions, seqs, [True] * len(tokens), finish
+        return [(tokens, positions, seqs, [True] * len(tokens))], finish
 
 
 class LlamaByteLM(ByteLM):

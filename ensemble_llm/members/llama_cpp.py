@@ -51,15 +51,6 @@ def binding():
     return llama_cpp
 
 
-def available() -> bool:
-    """Whether llama-cpp-python imports here."""
-    try:
-        binding()
-    except ConfigError:
-        return False
-    return True
-
-
 class Seq:
     """A sequence id of a context, held by a state, a fork, a stored prompt or a tree node. When the
     handle is dropped, the id goes back to its pool (its cells are freed at the next decode)."""
@@ -111,7 +102,11 @@ class LlamaRunner:
     """One GGUF model and one context (see the module). Not thread-safe: its member's lock
     serializes every call."""
 
-    def __init__(self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int, n_batch: int = 512) -> None:
+    def __init__(
+        self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int, n_batch: int = 512, extra_bufts: bool = True
+    ) -> None:
+        """`extra_bufts`: llama.cpp's extra buffer types (AMX, repacked weights), where the health
+        check (llama_health.py) found this CPU survives them."""
         lib = binding()
         self.lib = lib
         global _BACKEND_READY
@@ -121,7 +116,8 @@ class LlamaRunner:
                 lib.llama_backend_init()
                 _BACKEND_READY = True
         mp = lib.llama_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
+        mp.n_gpu_layers, mp.use_extra_bufts = n_gpu_layers, extra_bufts
+        self.extra_bufts = extra_bufts
         self.model = lib.llama_model_load_from_file(path.encode(), mp)
         if not self.model:
             why = _load_error(lib, path, mp)
@@ -179,6 +175,25 @@ class LlamaRunner:
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def save(self, seq: int) -> bytes:
+        """A sequence's cells (every layer's keys and values, with their positions) as bytes."""
+        self.seqs.flush()
+        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        done = self.lib.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        return bytes(buf)[:done]
+
+    def restore(self, seq: int, data: bytes, n: int) -> bool:
+        """An empty sequence from `save`d cells, kept up to position n; False when the context had
+        no room for them (the sequence stays empty)."""
+        self.seqs.flush()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if self.lib.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == 0:
+            self.seq_rm(seq, -1, -1)
+            return False
+        self.seq_rm(seq, n, -1)
+        return True
 
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], wants: Sequence[bool]

@@ -63,7 +63,7 @@ def load_llama_member(source: Source, dev: torch.device, options: MemberOptions,
     window = int(config.get("max_position_embeddings") or LLAMA_CONTEXT)
     n_ctx = -(-max(1, slots) * min(window, LLAMA_CONTEXT) // 256) * 256
     with ThreadPoolExecutor(1) as pool:  # llama.cpp opens the model (outside the GIL) while the tokenizer loads
-        runner = pool.submit(open_runner, str(path), n_ctx, dev)
+        runner = pool.submit(open_runner, str(path), n_ctx, dev, cache_dir=cache_dir)
         tokenizer = load_cached_tokenizer(folder)
         member = LlamaMember(
             source.name,
@@ -311,7 +311,7 @@ def load_member(
     check_options(source, options)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    backend = resolve_backend(source, options)
+    backend = resolve_backend(source, options, cache_dir, progress)
     key = (source, str(dev), str(dt), str(cache_dir), trust_remote_code, options, backend)
     key += (slots,) if backend == "llama.cpp" else ()  # its context is sized for them
     with _CACHE_LOCK:

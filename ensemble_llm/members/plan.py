@@ -412,7 +412,7 @@ def _member_row(source, dev: torch.device, dt, opts: MemberOptions, cache_dir, c
     quantization) and its KV cache is float16, its context's cells for `slots` requests."""
     from .sources import LLAMA_CONTEXT, gguf_file, resolve_backend
 
-    if resolve_backend(source, opts) == "llama.cpp":
+    if resolve_backend(source, opts, cache_dir) == "llama.cpp":
         path = gguf_file(source, cache_dir, progress=False, revision=opts.revision)
         size = gguf_size(path)
         weight, dtype_name, kv_dtype = path.stat().st_size, "gguf", torch.float16

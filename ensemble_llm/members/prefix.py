@@ -97,12 +97,15 @@ class PrefixCache:
             self._entries.clear()
             self.bytes = 0
 
-    def match(self, ids: Sequence[int], positions: Sequence[int] | None = None) -> tuple[int, Entry | None]:
+    def match(
+        self, ids: Sequence[int], positions: Sequence[int] | None = None, align: int = 1
+    ) -> tuple[int, Entry | None]:
         """(n, entry): the stored prompt whose first n tokens `ids` starts with, n as large as
         possible but below len(ids) (the last token runs), and, with `positions` (to score), such
         that every position p <= n has its score in the entry (the positions past n are run: the
         rows before them are). The entry returned holds only the scores that hold for `ids`.
-        (0, None) when no stored prompt shares MIN_TOKENS."""
+        (0, None) when no stored prompt shares MIN_TOKENS. `align`: n is a multiple of it (llama.cpp
+        runs prompts in aligned pieces: llama.py `prompt_pieces`)."""
         if self.max_bytes <= 0 or len(ids) <= MIN_TOKENS:
             return 0, None
         with self._lock:
@@ -117,6 +120,7 @@ class PrefixCache:
                 if not (p < shared and p in e.scores):
                     n = p - 1
                     break
+            n = n // align * align
             if n > best:  # the entry's scores as far as they hold for `ids`
                 best, found = n, Entry(e.ids, e.kv, {p: v for p, v in e.scores.items() if p < shared}, e.size)
         if best < MIN_TOKENS:

@@ -59,10 +59,13 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     )
 
 
-def resolve_backend(source: Source, options: MemberOptions) -> str:
+def resolve_backend(source: Source, options: MemberOptions, cache_dir=None, progress: bool = False) -> str:
     """ "llama.cpp" or "transformers" for this member (options.py `BACKENDS`): "auto" takes llama.cpp
-    for a GGUF file when llama-cpp-python is installed and no transformers-only option is set."""
-    from .llama_cpp import available, binding
+    for a GGUF file when llama-cpp-python is installed, survives this CPU (llama_health.py; a
+    crash falls back to transformers, with one line that says why) and no transformers-only option
+    is set. An explicit "llama.cpp" that would crash is a ConfigError."""
+    from .llama_cpp import binding
+    from .llama_health import installed, tell_fallback, unhealthy_error, verdict
 
     gguf = source.kind in GGUF_KINDS
     only_hf = options.quantization is not None or options.spans
@@ -80,9 +83,19 @@ def resolve_backend(source: Source, options: MemberOptions) -> str:
                 "backend='transformers'; a GGUF on llama.cpp runs at its own quantization. Drop them or "
                 "give backend='transformers'."
             )
-        binding()  # a ConfigError that says how to install it
+        if not installed():
+            binding()  # a ConfigError that says how to install it
+        v = verdict(gguf_file(source, cache_dir, progress, options.revision), cache_dir)
+        if not v.healthy:
+            raise unhealthy_error(v, source.ref)
         return "llama.cpp"
-    return "llama.cpp" if gguf and not only_hf and available() else "transformers"
+    if not (gguf and not only_hf and installed()):
+        return "transformers"
+    v = verdict(gguf_file(source, cache_dir, progress, options.revision), cache_dir)
+    if not v.healthy:
+        tell_fallback(v, source.ref)
+        return "transformers"
+    return "llama.cpp"
 
 
 def gguf_file(source: Source, cache_dir=None, progress: bool = True, revision: str | None = None) -> Path:
