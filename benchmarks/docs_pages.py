@@ -61,6 +61,22 @@ STUDIES = {
         "loads, after a request, and after two load/close cycles. `python benchmarks/close_memory.py`.",
         ["close_memory/results.md"],
     ),
+    "llama_builds": (
+        "llama.cpp builds and configurations",
+        "Which build of llama-cpp-python and which llama.cpp configuration this machine survives, and what "
+        "each costs: the health check's child probe, decode speed of `single` and of llama-cpp-python's own "
+        "`Llama.__call__`, and how far the shipped calibration figures move between configurations. "
+        "`python benchmarks/llama_builds.py --other DIR` (DIR: the same sdist built with native flags, "
+        "`pip install --target`).",
+        ["llama_builds/results.md"],
+    ),
+    "second_engine": (
+        "A second engine in one process",
+        "Whether anything of an engine outlives it: `single` on Gemma-3 in a fresh process, against the "
+        "same after a SmolLM2 engine, or the pair running specfuse, answered and was closed in that process. "
+        "`python benchmarks/second_engine.py`.",
+        ["second_engine/results.md"],
+    ),
     "chat": (
         "Chat on llama.cpp members",
         "Whether the ensemble holds up in chat: `chat_facts` (45 factual questions, each sent as one chat "

@@ -8,9 +8,13 @@
    ratio, the texts that differ; and the engine's own ceiling, llama.cpp's batched one-token
    decode of 8 sequences over 1 (the low-level API, no ensemble), for each member.
 
-Writes results.json and results.md into --out.
+Each section (one model, a ceiling, the methods or the clients on one backend) runs in a fresh
+process: an engine that ran before must not slow the next one (`benchmarks/second_engine.py`
+measures that llama.cpp engines in one process do not, which is why the engines of one section
+share theirs). Writes results.json and results.md into --out.
 
     python benchmarks/llama_speed.py --out benchmarks/results/llama_speed
+    python benchmarks/llama_speed.py --backends llama.cpp --out ...   # without the transformers runs
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,8 +42,8 @@ def members(names, backend: str) -> list:
     return [{"model": n, "backend": backend} for n in names]
 
 
-def one_model(name: str, tokens: int) -> dict:
-    """Llama.__call__ against single on llama.cpp and on transformers, the same prompt ids."""
+def one_model(name: str, tokens: int, backends: tuple[str, ...]) -> dict:
+    """Llama.__call__ against single on llama.cpp (and on transformers), the same prompt ids."""
     import llama_cpp
 
     from ensemble_llm import Ensemble
@@ -46,7 +51,7 @@ def one_model(name: str, tokens: int) -> dict:
     from ensemble_llm.members.llama import cpu_cores
     from ensemble_llm.members.loader import gguf_file, resolve_source
 
-    engines = {b: Ensemble(members([name], b), "single", progress=False).load() for b in ("llama.cpp", "transformers")}
+    engines = {b: Ensemble(members([name], b), "single", progress=False).load() for b in backends}
     m = engines["llama.cpp"].members[0]
     texts = [render_chat(m, [{"role": "user", "content": p}]) if m.has_chat_template else p for p in SPEED]
     t0 = time.perf_counter()
@@ -66,15 +71,16 @@ def one_model(name: str, tokens: int) -> dict:
     for v in out.values():
         v["tokens_per_s"] = round(v["tokens"] / v["seconds"], 2)
     base = out["llama_cpp_Llama"]["tokens_per_s"]
-    return {
+    res = {
         "member": name,
         "llama_load_s": round(load, 2),
         "runs": out,
         "ours_over_llama": round(out["single_llama.cpp"]["tokens_per_s"] / base, 3),
-        "llama_over_transformers": round(
-            out["single_llama.cpp"]["tokens_per_s"] / out["single_transformers"]["tokens_per_s"], 2
-        ),
     }
+    if "transformers" in backends:
+        hf = out["single_transformers"]["tokens_per_s"]
+        res["llama_over_transformers"] = round(out["single_llama.cpp"]["tokens_per_s"] / hf, 2)
+    return res
 
 
 def _llama_call(llm, ids: list[int], tokens: int) -> tuple[int, float]:
@@ -90,38 +96,29 @@ def _ours(eng, text: str, tokens: int) -> tuple[int, float]:
     return r.usage.completion_tokens, time.perf_counter() - t0
 
 
-def every_method(tokens: int) -> dict:
-    """Each method on the pair on both backends: tokens/s, and time per token over the main member alone."""
+def every_method(tokens: int, b: str) -> dict:
+    """Each method on the pair on one backend: tokens/s, and time per token over the main member alone."""
     from ensemble_llm import Ensemble
 
-    out = {}
-    for b in ("llama.cpp", "transformers"):
-        engines = {"single-0": Ensemble(members(PAIR, b), "single", {"member": 0}, progress=False)}
-        engines["single-1"] = Ensemble(members(PAIR, b), "single", {"member": 1}, progress=False)
-        for meth in METHODS[1:]:
-            engines[meth] = Ensemble(
-                members(PAIR, b), meth, {"n_particles": 4} if meth == "smc" else None, progress=False
-            )
-        rows = {k: {"tokens": 0, "seconds": 0.0} for k in engines}
-        for eng in engines.values():
-            eng.generate(SPEED[0], max_new_tokens=4)  # load, calibrate, warm
-        for p in SPEED:
-            for k, eng in engines.items():
-                t0 = time.perf_counter()
-                r = eng.generate(p, max_new_tokens=tokens)
-                rows[k]["seconds"] += time.perf_counter() - t0
-                rows[k]["tokens"] += r.usage.completion_tokens
-                rows[k]["main"] = r.stats.get("main_member", eng.members[eng._method.main_member() or 0].name)
-        for v in rows.values():
-            v["tokens_per_s"] = round(v["tokens"] / v["seconds"], 2)
-            alone = rows["single-0" if v["main"] == PAIR[0] else "single-1"]
-            v["x_main_alone_time_per_token"] = round(alone["tokens_per_s"] / v["tokens_per_s"], 2)
-        out[b] = rows
-    for k in out["llama.cpp"]:
-        out["llama.cpp"][k]["x_transformers"] = round(
-            out["llama.cpp"][k]["tokens_per_s"] / out["transformers"][k]["tokens_per_s"], 2
-        )
-    return out
+    engines = {"single-0": Ensemble(members(PAIR, b), "single", {"member": 0}, progress=False)}
+    engines["single-1"] = Ensemble(members(PAIR, b), "single", {"member": 1}, progress=False)
+    for meth in METHODS[1:]:
+        engines[meth] = Ensemble(members(PAIR, b), meth, {"n_particles": 4} if meth == "smc" else None, progress=False)
+    rows = {k: {"tokens": 0, "seconds": 0.0} for k in engines}
+    for eng in engines.values():
+        eng.generate(SPEED[0], max_new_tokens=4)  # load, calibrate, warm
+    for p in SPEED:
+        for k, eng in engines.items():
+            t0 = time.perf_counter()
+            r = eng.generate(p, max_new_tokens=tokens)
+            rows[k]["seconds"] += time.perf_counter() - t0
+            rows[k]["tokens"] += r.usage.completion_tokens
+            rows[k]["main"] = r.stats.get("main_member", eng.members[eng._method.main_member() or 0].name)
+    for v in rows.values():
+        v["tokens_per_s"] = round(v["tokens"] / v["seconds"], 2)
+        alone = rows["single-0" if v["main"] == PAIR[0] else "single-1"]
+        v["x_main_alone_time_per_token"] = round(alone["tokens_per_s"] / v["tokens_per_s"], 2)
+    return rows
 
 
 def ceiling(name: str, n_seq: int = 8, steps: int = 32) -> dict:
@@ -163,31 +160,50 @@ def ceiling(name: str, n_seq: int = 8, steps: int = 32) -> dict:
     }
 
 
-def clients(tokens: int, n: int) -> dict:
-    """n clients against one after another, on both backends, every method."""
+def clients(tokens: int, n: int, b: str) -> dict:
+    """n clients against one after another, on one backend, every method."""
     from ensemble_llm import Ensemble
 
     out = {}
-    for b in ("llama.cpp", "transformers"):
-        for meth in METHODS:
-            mem = members(PAIR[:1] if meth == "single" else PAIR, b)
-            eng = Ensemble(mem, meth, {"n_particles": 4} if meth == "smc" else None, max_batch=n, progress=False).load()
+    for meth in METHODS:
+        mem = members(PAIR[:1] if meth == "single" else PAIR, b)
+        eng = Ensemble(mem, meth, {"n_particles": 4} if meth == "smc" else None, max_batch=n, progress=False).load()
 
-            def ask(p, eng=eng):
-                r = eng.generate(p, max_new_tokens=tokens)
-                return r.text, r.usage.completion_tokens
+        def ask(p, eng=eng):
+            r = eng.generate(p, max_new_tokens=tokens)
+            return r.text, r.usage.completion_tokens
 
-            ask("Hello")
-            one, many = run_level(ask, PROMPTS, 1), run_level(ask, PROMPTS, n)
-            out[f"{meth}:{b}"] = {
-                "tokens_per_s_1": one["tokens_per_s"],
-                f"tokens_per_s_{n}": many["tokens_per_s"],
-                "ratio": round(many["tokens_per_s"] / one["tokens_per_s"], 2),
-                "texts_differing": sum(a != c for a, c in zip(one["texts"], many["texts"])),
-                "requests": len(PROMPTS),
-            }
-            print(meth, b, out[f"{meth}:{b}"], flush=True)
+        ask("Hello")
+        one, many = run_level(ask, PROMPTS, 1), run_level(ask, PROMPTS, n)
+        out[f"{meth}:{b}"] = {
+            "tokens_per_s_1": one["tokens_per_s"],
+            f"tokens_per_s_{n}": many["tokens_per_s"],
+            "ratio": round(many["tokens_per_s"] / one["tokens_per_s"], 2),
+            "texts_differing": sum(a != c for a, c in zip(one["texts"], many["texts"])),
+            "requests": len(PROMPTS),
+        }
+        print(meth, b, out[f"{meth}:{b}"], file=sys.stderr, flush=True)
+        eng.close()
     return out
+
+
+def section(name: str, args) -> object:
+    """One section of the bench, run in this (fresh) process."""
+    kind, _, arg = name.partition(":")
+    if kind == "one_model":
+        return one_model(arg, args.tokens, tuple(args.backends.split(",")))
+    if kind == "ceiling":
+        return ceiling(arg, args.clients)
+    if kind == "methods":
+        return every_method(args.tokens, arg)
+    return clients(args.client_tokens, args.clients, arg)
+
+
+def in_fresh_process(name: str, args) -> object:
+    cmd = [sys.executable, __file__, "--section", name, "--out", args.out, "--tokens", str(args.tokens)]
+    cmd += ["--client-tokens", str(args.client_tokens), "--clients", str(args.clients), "--backends", args.backends]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -195,16 +211,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--client-tokens", type=int, default=32)
     ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--backends", default="llama.cpp,transformers")
+    ap.add_argument("--section", help=argparse.SUPPRESS)  # internal: one section, in this process
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.section:
+        print(json.dumps(section(args.section, args)))
+        return
+    backends = args.backends.split(",")
     res = {"args": vars(args), "threads": os.cpu_count()}
-    res["one_model"] = [one_model(n, args.tokens) for n in PAIR]
+    res["one_model"] = [in_fresh_process(f"one_model:{n}", args) for n in PAIR]
     print(json.dumps(res["one_model"], indent=1), flush=True)
-    res["ceiling"] = [ceiling(n, args.clients) for n in PAIR]
-    print(json.dumps(res["ceiling"]), flush=True)
-    res["methods"] = every_method(args.tokens)
+    res["ceiling"] = [in_fresh_process(f"ceiling:{n}", args) for n in PAIR]
+    res["methods"] = {b: in_fresh_process(f"methods:{b}", args) for b in backends}
+    if "transformers" in backends:
+        for k, v in res["methods"]["llama.cpp"].items():
+            v["x_transformers"] = round(v["tokens_per_s"] / res["methods"]["transformers"][k]["tokens_per_s"], 2)
     print(json.dumps(res["methods"], indent=1), flush=True)
-    res["clients"] = clients(args.client_tokens, args.clients)
+    res["clients"] = {k: v for b in backends for k, v in in_fresh_process(f"clients:{b}", args).items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
@@ -214,7 +238,8 @@ def main() -> None:
 def report(res: dict) -> str:
     a = res["args"]
     lines = [
-        f"# Members on llama.cpp, side by side (`python benchmarks/llama_speed.py`, {res['threads']} cores)",
+        f"# Members on llama.cpp, side by side (`python benchmarks/llama_speed.py --backends {a['backends']}`, "
+        f"{res['threads']} cores; each section a fresh process)",
         "",
         f"## One model: {a['tokens']} tokens, greedy, the same prompt ids",
         "",
@@ -224,10 +249,10 @@ def report(res: dict) -> str:
     ]
     for r in res["one_model"]:
         runs = r["runs"]
+        hf = runs.get("single_transformers", {}).get("tokens_per_s", "-")
         lines.append(
             f"| {r['member']} | {runs['llama_cpp_Llama']['tokens_per_s']} | {runs['single_llama.cpp']['tokens_per_s']} "
-            f"| {runs['single_transformers']['tokens_per_s']} | {r['ours_over_llama']} "
-            f"| {r['llama_over_transformers']} |"
+            f"| {hf} | {r['ours_over_llama']} | {r.get('llama_over_transformers', '-')} |"
         )
     lines += [
         "",
@@ -237,10 +262,9 @@ def report(res: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for k, v in res["methods"]["llama.cpp"].items():
-        t = res["methods"]["transformers"][k]
+        t = res["methods"].get("transformers", {}).get(k, {}).get("tokens_per_s", "-")
         lines.append(
-            f"| {k} | {v['tokens_per_s']} | {t['tokens_per_s']} | {v['x_transformers']} "
-            f"| {v['x_main_alone_time_per_token']} |"
+            f"| {k} | {v['tokens_per_s']} | {t} | {v.get('x_transformers', '-')} | {v['x_main_alone_time_per_token']} |"
         )
     n = a["clients"]
     lines += [

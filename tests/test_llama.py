@@ -40,7 +40,7 @@ def fresh(name: str, tokenizer=None) -> LlamaMember:
         kv_per_token=kv_bytes_per_token(cfg, torch.float16),
         device=torch.device("cpu"),
     )
-    m.prefixes.max_bytes = 0  # a stored prompt's fork adds no cells, but keep the two contexts' histories alike
+    m.prefixes.max_bytes = 0  # no stored prompts: the two contexts' histories stay alike
     return m
 
 

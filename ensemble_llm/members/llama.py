@@ -439,7 +439,7 @@ class LlamaExecutor:
         return [(tokens, positions, seqs, [True] * len(tokens))], finish
 
     def _prompt(self, call: Prefill) -> tuple:
-        """A prompt from the longest stored beginning (a fork of the stored prompt's sequence), its
+        """A prompt from the longest stored beginning (its cells restored into the state's sequence), its
         rest decoded with logits at the rows before the positions it scores and at its last row,
         in canonical pieces (`prompt_pieces`)."""
         m, state, ids = self.member, call.state, call.ids

@@ -15,10 +15,12 @@ forking candidates and trees needs the sequences themselves (the high-level API'
 server is a separate program).
 
 Measured here: a step's logits for a sequence are those of the same tokens decoded alone when
-the cells sit where they sat (0.0 difference); llama.cpp's kernels sum in an order that depends
-on where a sequence's cells sit in the pool (a prompt placed one cell later moved the top
-log-probs by up to 0.3 nat, through its int8-quantized activations), so results depend on what
-else the cache held.
+its cells sit in the same order (0.0 difference, wherever in the pool they sit); llama.cpp's
+attention sums over a sequence's cells in the order they sit in the pool, and a token that lands
+in a freed cell before the sequence's earlier ones moved the log-probs by up to 0.7 nat (through
+the int8-quantized activations); a decode's kernels also depend on how many rows it holds. So
+results depend on what else the cache held and holds: llama.py keeps stored prompts outside the
+context and runs prompts in aligned pieces, so that a request run alone repeats.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ stops just before it.
 
 The bound is per member: `ENSEMBLE_LLM_PREFIX_CACHE` (bytes or a size such as "256MiB"; "0"
 turns reuse off), read when a member loads; `DEFAULT_BYTES` otherwise. The stored KV lives on the
-member's devices beside the running requests' caches (kvbudget.py does not count it).
+member's devices beside the running requests' caches (kvbudget.py does not count it); on
+llama.cpp it is the bytes of the prompt's cells, in host memory, outside the context (llama.py).
 """
 
 from __future__ import annotations
