@@ -388,7 +388,7 @@ class LlamaExecutor:
         return runner.decode(tokens, positions, seqs, wants)
 
     def _plan(self, call: StepCall) -> tuple:
-        """(tokens, positions, sequence ids, wants logits, finish(rows)) of one call."""
+        """([(tokens, positions, sequence ids, wants logits)] a piece per decode, finish(rows)) of one call."""
         if isinstance(call, Prefill):
             return self._prompt(call)
         if isinstance(call, Extend):
