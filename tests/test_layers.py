@@ -25,6 +25,8 @@ FLOORS = {
         "members.rowgroups",
         "members.llama",
         "members.llama_cpp",
+        "members.llama_health",
+        "members.llama_probe",
         "members.context",
         "members.steps",
         "members.scheduler",
