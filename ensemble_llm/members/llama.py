@@ -35,7 +35,7 @@ from .bytelm import Beam, ByteLM, Context, Hyp
 from .context import check_request, current_tally
 from .llama_cpp import LlamaRunner, Seq
 from .member import TokenizerView
-from .prefix import MIN_TOKENS, PrefixCache, configured_bytes
+from .prefix import PrefixCache, configured_bytes
 from .scheduler import outside_steps, run_call
 from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
 
@@ -452,7 +452,7 @@ class LlamaExecutor:
                 call.tally.reused[id(m)] = call.tally.reused.get(id(m), 0) + n
         run = [q for q in call.positions or () if q > n]
         reads = sorted({q - 1 for q in run} | {len(ids) - 1})
-        wants = {q for q in reads}
+        wants = set(reads)
 
         def finish(rows: torch.Tensor) -> None:
             state.ids = list(ids)
@@ -477,7 +477,7 @@ class LlamaExecutor:
         context. A stored prompt holds no cells, so a request run alone starts on an empty cache and
         its cells land where they landed the time before (`prompt_pieces`)."""
         m = self.member
-        if m.prefixes.max_bytes <= 0 or len(state.ids) <= MIN_TOKENS:
+        if not m.prefixes.keeps(len(state.ids)):
             return
         data = m.runner.save(state.seq.id)
         m.prefixes.put(state.ids, data, scores, size=len(data))

@@ -133,12 +133,16 @@ class PrefixCache:
             self.reused += best
         return best, found
 
+    def keeps(self, n_tokens: int) -> bool:
+        """Whether a prompt of n_tokens would be kept (a caller can skip copying out its KV)."""
+        return self.max_bytes > 0 and n_tokens > MIN_TOKENS
+
     def put(self, ids: Sequence[int], kv: Any, scores: dict[int, float], size: int | None = None) -> None:
         """Keep a prompt's KV (tensors the caller will not change, or a sequence of `size` bytes)
         and scores; stored prompts that it begins with go (it holds what they hold); the least
         recently used go past the bound."""
         key = tuple(int(i) for i in ids)
-        if self.max_bytes <= 0 or len(key) <= MIN_TOKENS:
+        if not self.keeps(len(key)):
             return
         entry = Entry(key, kv, dict(scores), size)
         if entry.nbytes > self.max_bytes:
