@@ -27,6 +27,17 @@ Where the evidence comes from:
 - chat requests: the earlier assistant turns' contents, found in each member's rendered prompt
   (`chat_spans`).
 A prompt that shows no answer keeps the prior weights.
+
+The shot exam (`shot_exam`, on by default, at any `evidence` rate): from the same prefill, whether
+each member would have written each shown answer itself, greedily, given what comes before it:
+every token of the answer (its newline included) the member's own argmax. The first shown answer
+is not examined (it comes before any shot: a question of format, not of the task). A member that
+writes none of the examined answers while another writes at least `EXAM_PASS` of them cannot do
+the task as the prompt shows it: it steps aside (`exam_aside`), and with one member left that
+member runs alone. Greedy answers, not likelihoods: a member that explains the shots a little
+better is not a member that can do the task (routing by likelihood chose the worse member on
+factual tasks), while one that copies the input, keeps the wrong form or misses the format on
+every shot cannot.
 """
 
 from __future__ import annotations
@@ -35,10 +46,14 @@ import math
 from typing import Any, Sequence
 
 from .chat import content_text
+from .members import PromptScore
 
 MAX_LABEL = 40  # a label is a short line prefix ("A:", "Answer:", "Past participle:")
 MAX_POSITIONS = 96  # scored positions per member and request (the last answers are kept)
 FLOOR = 1e-3  # the smallest weight a member keeps
+EXAM_ANSWERS = 8  # shown answers examined per request (the last ones)
+EXAM_PASS = 2  # examined answers another member must write for a member with none to step aside
+GREEDY_GAP = 1e-4  # nat: a token this close to the row's best counts as the member's greedy choice
 
 
 def answer_spans(text: str) -> list[tuple[int, int]]:
@@ -84,6 +99,30 @@ def span_positions(ends: Sequence[int], spans: Sequence[tuple[int, int]], offset
     return [p for p in out if p >= 1][-MAX_POSITIONS:]
 
 
+def span_groups(member, text: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Per span, the positions in `ids` of the tokens that end inside it (as `answer_positions`,
+    span by span, no cap); [] when the ids are not the text's canonical tokens after a BOS."""
+    toks, ends = member.encode_with_offsets(text)
+    offset = len(ids) - len(toks)
+    if not spans or offset < 0 or list(ids[offset:]) != toks:
+        return []
+    return [[p for p in span_positions(ends, [s], offset)] for s in spans]
+
+
+def shot_exam(scores: Sequence[Sequence[PromptScore]]) -> list[bool]:
+    """Per examined answer (its tokens' scores), whether the member writes it greedily."""
+    return [bool(s) and all(x.gap >= -GREEDY_GAP for x in s) for s in scores]
+
+
+def exam_aside(passed: Sequence[Sequence[bool]], need: int = EXAM_PASS) -> list[int]:
+    """The members that step aside: none of the examined answers written, while another member
+    writes at least `need` of them (and at least one member stays)."""
+    counts = [sum(p) for p in passed]
+    if max(counts, default=0) < need:
+        return []
+    return [k for k, c in enumerate(counts) if c == 0]
+
+
 def answer_positions(member, text: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[int]:
     """The positions in `ids` (member's prompt ids for `text`: its BOS, then the text's tokens)
     of the tokens that end inside `spans`; [] when there is no span or the ids are not the text's
@@ -112,6 +151,23 @@ def _auto(method) -> bool:
     return isinstance(given, str) and given == "auto"
 
 
+def _plans(members, prompt, raw: bool, texts: list[str], prompt_ids: list[list[int]]) -> list[list[list[int]]]:
+    """Per member, the positions of each shown answer's tokens in its prompt ids; [] when a
+    member's prompt shows none (or its ids are not its text's tokens)."""
+    answers = (
+        []
+        if raw or isinstance(prompt, str)
+        else [content_text(m.get("content")) for m in prompt if m.get("role") == "assistant"]
+    )
+    plans = []
+    for m, text, ids in zip(members, texts, prompt_ids):
+        groups = span_groups(m, text, ids, answer_spans(text) if raw else chat_spans(text, answers))
+        if not groups or not all(groups):
+            return []
+        plans.append(groups)
+    return plans if len({len(g) for g in plans}) == 1 else []
+
+
 def request_weights(
     method,
     members: Sequence[Any],
@@ -123,61 +179,86 @@ def request_weights(
     main: int,
     notes: dict[str, Any],
 ) -> tuple[list[float], int]:
-    """With weights="auto", this request's member weights and main member: the prior updated by
-    how well each member explains the answers the prompt already shows (scored in the prompt's
-    own prefill, `TokenLM.score_prompt`). Other weight settings, one member, a prompt that shows
-    no answer: the given weights and main member, unchanged. The evidence goes into `notes`."""
-    rate = method.evidence_rate()
-    if not _auto(method) or len(members) < 2 or method.name == "single" or rate == 0:
-        return prior, main  # (rate 0: the calibrated weights; no answer is scored)
-    answers = (
-        []
-        if raw or isinstance(prompt, str)
-        else [content_text(m.get("content")) for m in prompt if m.get("role") == "assistant"]
-    )
-    plans = []
-    for m, text, ids in zip(members, texts, prompt_ids):
-        spans = answer_spans(text) if raw else chat_spans(text, answers)
-        positions = answer_positions(m, text, ids, spans)
-        if not positions:
-            return prior, main
-        plans.append((positions, len(spans)))
+    """With weights="auto", this request's member weights and main member: the prior with the
+    members that fail the shot exam stepped aside (their weight FLOOR, `exam_aside`), then moved
+    by how well each member explains the shown answers (rate `evidence`), both read from the
+    prompt's own prefill (`TokenLM.score_prompt`). Other weight settings, one member, a prompt
+    that shows no answer: the given weights and main member, unchanged. Findings go into `notes`."""
+    rate, exam = method.evidence_rate(), method.exam_on()
+    if not _auto(method) or len(members) < 2 or method.name == "single" or (rate == 0 and not exam):
+        return prior, main
+    plans = _plans(members, prompt, raw, texts, prompt_ids)
+    if not plans:
+        return prior, main
+    examined = [g[1:][-EXAM_ANSWERS:] if exam else [] for g in plans]  # the first answer comes before any shot
+    weighed = [[p for g in groups for p in g][-MAX_POSITIONS:] if rate else [] for groups in plans]
+    scored: list[dict | None] = [None] * len(members)
 
-    def score(k: int) -> float:  # each shown answer is one observation: the mean log-prob per answer
-        positions, n = plans[k]
-        return float(sum(members[k].score_prompt(prompt_ids[k], positions))) / n
+    def score(k: int) -> tuple[list[bool], float]:  # (examined answers written, mean log-prob per answer)
+        if scored[k] is None:
+            want = sorted({p for g in examined[k] for p in g} | set(weighed[k]))
+            scored[k] = dict(zip(want, members[k].score_prompt(prompt_ids[k], want)))
+        sc = scored[k]
+        return shot_exam([[sc[p] for p in g] for g in examined[k]]), sum(sc[p].logprob for p in weighed[k]) / len(plans[k])
 
+    settled = _solo_bound(method, members, prior, main, rate, score, notes, len(weighed[main]))
+    if settled is not None:
+        return settled, main
+    found = [score(k) for k in range(len(members))]
+    weights = list(prior)
+    if exam:
+        aside = exam_aside([p for p, _ in found])
+        notes["exam"] = {m.name: sum(p) for m, (p, _) in zip(members, found)} | {"examined": len(examined[0])}
+        if aside:
+            notes["aside"] = [members[k].name for k in aside]
+            weights = [FLOOR if k in aside else w for k, w in enumerate(weights)]
+    if rate:
+        weights = posterior(weights, [e for _, e in found], 1 / rate)
+        notes["evidence"] = {m.name: round(e, 3) for m, (_, e) in zip(members, found)}
+        notes["evidence_positions"] = {m.name: len(w) for m, w in zip(members, weighed)}
+    if weights == list(prior):
+        return prior, main
+    weights = [x / sum(weights) for x in weights]
     given_main = method.main_member()
-    evidence: list[float | None] = [None] * len(members)
-    solo = method.solo_weight()
-    if solo is not None and prior[main] >= solo:
-        # the others' evidence is a log-probability, at most 0: if the main member keeps the solo
-        # weight even against that, no evidence of theirs can change that it runs alone
-        # (`solo_member`), and their prompts are not scored (their weights are upper bounds)
-        evidence[main] = score(main)
-        bound = posterior(prior, [0.0 if e is None else e for e in evidence], 1 / rate)
-        if bound[main] >= solo:
-            notes["evidence"] = {members[main].name: round(evidence[main], 3)}
-            notes["evidence_positions"] = {members[main].name: len(plans[main][0])}
-            return bound, main
-    evidence = [score(k) if e is None else e for k, e in enumerate(evidence)]
-    weights = posterior(prior, evidence, 1 / rate)
     main = given_main if given_main is not None else max(range(len(members)), key=lambda i: (weights[i], -i))
-    notes["evidence"] = {m.name: round(e, 3) for m, e in zip(members, evidence)}
-    notes["evidence_positions"] = {m.name: len(p) for m, (p, _) in zip(members, plans)}
     return weights, main
 
 
-def solo_member(method, prior: Sequence[float], weights: Sequence[float], main: int) -> int | None:
-    """The member this request runs alone, or None to ensemble. With weights="auto" and the
-    method's `solo` weight s: the main member, when the calibrated prior and this request's
-    weights (its evidence, `request_weights`) both give it at least s. Then the others together
-    hold at most 1 - s everywhere, and every method would follow that member's text almost
-    token for token at the cost of every member's forwards; a strong member paired with weak
-    ones (the trio's Qwen) gets its own answer at its own cost. Both must agree: a prior alone
-    (the calibration's 40 facts) is not this task, and one request's evidence alone is three
-    shots."""
+def _solo_bound(method, members, prior, main, rate, score, notes, positions: int) -> list[float] | None:
+    """The weights when the main member's own findings settle that it runs alone (`solo_member`),
+    with the others' prompts unscored: a prior that gives it the solo weight, an exam it did not
+    fail (so it cannot step aside), and the weight it keeps even against others whose evidence
+    were 0 (a log-probability's maximum; their weights are upper bounds). Else None."""
+    solo = method.solo_weight()
+    if solo is None or prior[main] < solo:
+        return None
+    passed, e = score(main)
+    if method.exam_on() and not any(passed):
+        return None
+    bound = posterior(prior, [e if k == main else 0.0 for k in range(len(members))], 1 / rate) if rate else list(prior)
+    if bound[main] < solo:
+        return None
+    if rate:
+        notes["evidence"] = {members[main].name: round(e, 3)}
+        notes["evidence_positions"] = {members[main].name: positions}
+    return bound
+
+
+def solo_member(method, prior: Sequence[float], weights: Sequence[float], main: int, notes=None) -> int | None:
+    """The member this request runs alone, or None to ensemble. With weights="auto": the one
+    member the shot exam left (`notes["aside"]` holds all the others), or, with the method's
+    `solo` weight s, the main member when the calibrated prior and this request's weights both
+    give it at least s. Then the others together hold at most 1 - s everywhere, and every method
+    would follow that member's text almost token for token at the cost of every member's
+    forwards; a strong member paired with weak ones (the trio's Qwen) gets its own answer at its
+    own cost. Both must agree: a prior alone (the calibration's 40 facts) is not this task, and
+    one request's evidence alone is three shots."""
+    if not _auto(method) or len(weights) < 2:
+        return None
+    aside = (notes or {}).get("aside") or []
+    if len(aside) == len(weights) - 1:
+        return max(range(len(weights)), key=lambda i: weights[i])
     s = method.solo_weight()
-    if s is None or not _auto(method) or len(weights) < 2:
+    if s is None:
         return None
     return main if prior[main] >= s and weights[main] >= s else None

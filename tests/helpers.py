@@ -154,3 +154,8 @@ def wait_healthy(proc, base: str, timeout: float, output) -> str:
             time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"the server did not come up in {timeout:.0f} s:\n" + output())
+
+
+def flat(scores) -> list[float]:
+    """score_prompt's PromptScores as one list of numbers (log-prob, gap, ...) for pytest.approx."""
+    return [x for s in scores for x in s]

@@ -14,14 +14,18 @@ from ensemble_llm import ConfigError, Ensemble
 from ensemble_llm.bench import load_task, resolve_task
 from ensemble_llm.evidence import (
     FLOOR,
+    GREEDY_GAP,
     answer_spans,
     chat_spans,
+    exam_aside,
     posterior,
     request_weights,
+    shot_exam,
     solo_member,
+    span_groups,
     span_positions,
 )
-from ensemble_llm.members import rowgroups
+from ensemble_llm.members import PromptScore, rowgroups
 from ensemble_llm.members.context import current_request
 from ensemble_llm.methods import get_method
 
@@ -59,6 +63,35 @@ def test_span_positions_pick_tokens_ending_inside_a_span():
     assert span_positions(ends, [(0, 3)], offset=0) == []  # position 0 has no context to predict it
 
 
+def test_shot_exam_passes_an_answer_only_when_every_token_is_the_greedy_one():
+    ok, near, off = PromptScore(-0.2, 0.0), PromptScore(-0.7, -GREEDY_GAP / 2), PromptScore(-0.1, -0.05)
+    assert shot_exam([[ok, near], [ok, off], [off], []]) == [True, False, False, False]
+
+
+def test_exam_aside_matches_the_rule_on_every_small_case():
+    """Brute force over 2 and 3 members, 0..3 examined answers each: a member steps aside exactly
+    when it wrote none and another wrote at least `need`; one that wrote any never does."""
+    import itertools
+
+    for n, need in itertools.product((2, 3), (1, 2, 3)):
+        for counts in itertools.product(range(4), repeat=n):
+            passed = [[True] * c + [False] * (3 - c) for c in counts]
+            want = [k for k, c in enumerate(counts) if c == 0] if max(counts) >= need else []
+            assert exam_aside(passed, need) == want
+            assert len(want) < n  # someone stays
+
+
+def test_span_groups_are_answer_positions_span_by_span(tiny_members):
+    m = tiny_members["smol"]
+    ids = m.prompt_ids(FEW_SHOT)
+    spans = answer_spans(FEW_SHOT)
+    groups = span_groups(m, FEW_SHOT, ids, spans)
+    assert len(groups) == len(spans) == 2 and all(groups)
+    for (b0, b1), g in zip(spans, groups):  # each group decodes to its span's bytes (the newline included)
+        assert m.decode([ids[p] for p in g]).strip() == FEW_SHOT.encode()[b0:b1].decode().strip()
+    assert span_groups(m, FEW_SHOT, ids[:-1], spans) == []  # ids that are not the text's tokens
+
+
 def test_posterior_is_prior_times_likelihood_with_a_floor():
     w = posterior([0.5, 0.5], [math.log(0.2), math.log(0.6)])
     assert w == pytest.approx([0.25, 0.75])
@@ -77,7 +110,9 @@ def test_score_prompt_matches_a_full_forward_and_hands_its_state_over(tiny_membe
     with torch.inference_mode():
         full = torch.log_softmax(m.model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
     want = [full[p - 1, ids[p]].item() for p in positions]
-    assert got == pytest.approx(want, abs=1e-4)
+    assert [s.logprob for s in got] == pytest.approx(want, abs=1e-4)
+    gaps = [(full[p - 1, ids[p]] - full[p - 1].max()).item() for p in positions]
+    assert [s.gap for s in got] == pytest.approx(gaps, abs=1e-4)  # 0 where the member's argmax is the token
     state = m.prefill(ids)  # the scored prompt's state, not a second forward
     assert m.counters()[0] - before[0] == 1 and m.counters()[2] - before[2] == 1
     fresh = m.new_state()
@@ -310,7 +345,7 @@ def test_solo_scores_only_the_main_member_when_no_evidence_could_change_it(tiny_
         before = [m.counters()[2] for m in members]
         notes = {}
         w, main = request_weights(
-            unite(members, unite.make_config({"solo": solo, "evidence": 1})),
+            unite(members, unite.make_config({"solo": solo, "evidence": 1, "exam": False})),
             members,
             FEW_SHOT,
             True,

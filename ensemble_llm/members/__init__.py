@@ -4,7 +4,7 @@ from .loader import Source, clear_cache, load_member, resolve_device, resolve_dt
 from .member import KVState, Member
 from .options import MemberOptions, member_options
 from .plan import MemoryPlan, plan_members
-from .protocol import TokenLM
+from .protocol import PromptScore, TokenLM
 from .registry import BUNDLED, DEFAULT_MODELS
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Member",
     "MemberOptions",
     "MemoryPlan",
+    "PromptScore",
     "Source",
     "TokenLM",
     "clear_cache",

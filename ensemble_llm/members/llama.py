@@ -36,6 +36,7 @@ from .context import check_request, current_tally
 from .llama_cpp import LlamaRunner, Seq
 from .member import TokenizerView
 from .prefix import PrefixCache, configured_bytes
+from .protocol import PromptScore, prompt_score
 from .scheduler import outside_steps, run_call
 from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
 
@@ -192,7 +193,7 @@ class LlamaMember(TokenizerView):
             return run_call(Prefill(self, state, ids=ids))
         return run_call(Extend(self, state, tokens=ids, last_only=last_only))
 
-    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]:
         """As `Member.score_prompt`: log p(ids[p] | ids[:p]) from the prompt's prefill, whose state
         is kept for the next `prefill` of the same ids."""
         if not ids:
@@ -462,7 +463,7 @@ class LlamaExecutor:
             row_of = {q: i for i, q in enumerate(reads)}
             for q in run:
                 row = rows[row_of[q - 1]]
-                scores[q] = float(row[ids[q]] - torch.logsumexp(row, dim=-1))
+                scores[q] = prompt_score(row - torch.logsumexp(row, dim=-1), ids[q])
             self._store(state, scores)
             call.result = state.next_logprobs[None] if call.positions is None else [scores[q] for q in call.positions]
 
@@ -472,7 +473,7 @@ class LlamaExecutor:
         ]
         return pieces, finish
 
-    def _store(self, state: LlamaState, scores: dict[int, float]) -> None:
+    def _store(self, state: LlamaState, scores: dict[int, PromptScore]) -> None:
         """Keep the prompt for later prompts that begin alike: its cells saved as bytes, outside the
         context. A stored prompt holds no cells, so a request run alone starts on an empty cache and
         its cells land where they landed the time before (`prompt_pieces`)."""

@@ -24,6 +24,7 @@ from .context import check_request, current_request, current_tally
 from .convert import cached_token_bytes
 from .headpad import pad_rows
 from .prefix import PrefixCache, configured_bytes, seed_cache
+from .protocol import PromptScore
 from .rowgroups import RowGroupExecutor
 from .scheduler import outside_steps, run_call
 from .steps import Extend, Prefill, Score, Tree
@@ -293,8 +294,8 @@ class Member(TokenizerView):
         """This member as a byte-level LM (smc); a member in an actor gives one that runs there."""
         return ByteLM(self, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
 
-    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
-        """log p(ids[p] | ids[:p]) for each position p >= 1, from the prompt's prefill forward
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]:
+        """log p(ids[p] | ids[:p]) and its gap to the row's best, for each position p >= 1, from the prompt's prefill forward
         (the logits of those rows and of the last one only). The prefilled state is kept for the
         next `prefill` of the same ids, so a request that scores its prompt runs it once."""
         if not ids:
@@ -361,11 +362,13 @@ class Member(TokenizerView):
         if run:
             logp = torch.log_softmax(logits[:-1].float(), dim=-1)
             tgt = torch.tensor([ids[p] for p in run], device=logp.device)
-            scores.update(zip(run, logp.gather(1, tgt[:, None])[:, 0].tolist()))
+            got = logp.gather(1, tgt[:, None])[:, 0]
+            gaps = got - logp.max(dim=-1).values
+            scores.update((p, PromptScore(a, b)) for p, a, b in zip(run, got.tolist(), gaps.tolist()))
         self.keep_prompt(state, scores)
         return state.next_logprobs[None] if positions is None else [scores[p] for p in positions]
 
-    def keep_prompt(self, state: KVState, scores: dict[int, float]) -> None:
+    def keep_prompt(self, state: KVState, scores: dict[int, PromptScore]) -> None:
         """Store the prompt `state` holds (its KV copied) for later prompts that begin alike."""
         if self.prefixes.max_bytes <= 0:
             return

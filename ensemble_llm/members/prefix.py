@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from .options import parse_size
+from .protocol import PromptScore
 
 ENV = "ENSEMBLE_LLM_PREFIX_CACHE"
 DEFAULT_BYTES = 64 * 2**20  # per member: about 17 of Gemma-3-270m's 100-token chat prompts in float32
@@ -59,7 +60,7 @@ class Entry:
 
     ids: tuple[int, ...]
     kv: Any  # transformers: every layer's (keys, values); llama.cpp: the sequence holding the prompt
-    scores: dict[int, float] = field(default_factory=dict)
+    scores: dict[int, PromptScore] = field(default_factory=dict)
     size: int | None = None  # bytes, when the KV is not tensors here (a llama.cpp sequence)
 
     @property
@@ -137,7 +138,7 @@ class PrefixCache:
         """Whether a prompt of n_tokens would be kept (a caller can skip copying out its KV)."""
         return self.max_bytes > 0 and n_tokens > MIN_TOKENS
 
-    def put(self, ids: Sequence[int], kv: Any, scores: dict[int, float], size: int | None = None) -> None:
+    def put(self, ids: Sequence[int], kv: Any, scores: dict[int, PromptScore], size: int | None = None) -> None:
         """Keep a prompt's KV (tensors the caller will not change, or a sequence of `size` bytes)
         and scores; stored prompts that it begins with go (it holds what they hold); the least
         recently used go past the bound."""

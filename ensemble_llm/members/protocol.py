@@ -13,9 +13,23 @@ stays where the model is.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
+
+
+class PromptScore(NamedTuple):
+    """A scored prompt token (`score_prompt`): log p(token | the ids before it), and how far that
+    is below the row's best token (0: the member's greedy choice; evidence.py's shot exam)."""
+
+    logprob: float
+    gap: float
+
+
+def prompt_score(logprobs: torch.Tensor, token: int) -> PromptScore:
+    """The PromptScore of `token` from one row of log-probs [V]."""
+    lp = float(logprobs[token])
+    return PromptScore(lp, lp - float(logprobs.max()))
 
 
 @runtime_checkable
@@ -72,7 +86,7 @@ class TokenLM(Protocol):
 
     def drop_candidates(self, state: Any) -> None: ...
 
-    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]: ...
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]: ...
 
     def forget_prompt(self, ids: Sequence[int]) -> None: ...
 

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from .protocol import prompt_score
 from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree, segments
 
 
@@ -372,7 +373,7 @@ def _seeded_prompts(member: Any, calls: list[Prefill], seeds: dict, config: Batc
         run = [p for p in c.positions if p > n]  # s.result: log-probs [len(rest), V]; row p-1-n predicts p
         scores = dict(entry.scores)
         for p in run:
-            scores[p] = float(s.result[p - 1 - n, c.ids[p]])
+            scores[p] = prompt_score(s.result[p - 1 - n], c.ids[p])
         member.keep_prompt(c.state, scores)
         c.result = [scores[p] for p in c.positions]
 

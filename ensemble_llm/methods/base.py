@@ -159,6 +159,10 @@ class Method(abc.ABC):
         """How far the request's evidence moves its weights (config `evidence`, evidence.py)."""
         return float(getattr(self.config, "evidence", EVIDENCE))
 
+    def exam_on(self) -> bool:
+        """Whether a member that fails the prompt's shot exam steps aside (config `exam`, evidence.py)."""
+        return bool(getattr(self.config, "exam", False))
+
     def solo_weight(self) -> float | None:
         """The weight at which one member runs alone (config `solo`; None: always ensemble)."""
         return getattr(self.config, "solo", None)

@@ -57,6 +57,7 @@ class SafeConfig:
     max_lookahead: int = 16
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
     evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
+    exam: bool = True  # weights="auto": a member that writes none of the shown answers steps aside (evidence.py)
     # the union's keys are the drafter's tokens, each member's mass counted once (as UniteConfig.onto_main);
     # then a consensus skip needs the weighted mean above `consensus`, the one test that stays lossless
     onto_main: bool = True
@@ -66,6 +67,8 @@ class SafeConfig:
         check_onto_main(self.onto_main, "SafeConfig")
         check_solo(self.solo, "SafeConfig")
         check_evidence(self.evidence, "SafeConfig")
+        if not isinstance(self.exam, bool):
+            raise ConfigError(f"SafeConfig.exam must be True or False, got {self.exam!r}")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 64:
             raise ConfigError(f"SafeConfig.lookahead must be an integer in [1, 64], got {self.lookahead!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= 1000:

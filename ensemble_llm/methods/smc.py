@@ -61,6 +61,7 @@ class SmcConfig:
     greedy: str = "beam"
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
     evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
+    exam: bool = True  # weights="auto": a member that writes none of the shown answers steps aside (evidence.py)
 
     def __post_init__(self) -> None:
         if self.f == "power":
@@ -85,6 +86,8 @@ class SmcConfig:
             raise ConfigError(f"SmcConfig.prune_threshold must be in [0, 1), got {self.prune_threshold!r}")
         check_solo(self.solo, "SmcConfig")
         check_evidence(self.evidence, "SmcConfig")
+        if not isinstance(self.exam, bool):
+            raise ConfigError(f"SmcConfig.exam must be True or False, got {self.exam!r}")
         if self.greedy not in ("beam", "sample"):
             raise ConfigError(f"SmcConfig.greedy must be 'beam' or 'sample', got {self.greedy!r}")
         if self.max_bytes is not None and (not isinstance(self.max_bytes, int) or self.max_bytes < 1):

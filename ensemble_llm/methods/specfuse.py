@@ -53,10 +53,13 @@ class SpecFuseConfig:
     weights: list[float] | str | None = "auto"  # initial member weights: "auto" (calibrated), None (uniform), a list
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
     evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
+    exam: bool = True  # weights="auto": a member that writes none of the shown answers steps aside (evidence.py)
 
     def __post_init__(self) -> None:
         check_solo(self.solo, "SpecFuseConfig")
         check_evidence(self.evidence, "SpecFuseConfig")
+        if not isinstance(self.exam, bool):
+            raise ConfigError(f"SpecFuseConfig.exam must be True or False, got {self.exam!r}")
         if not isinstance(self.segment_len, int) or self.segment_len < 1:
             raise ConfigError(f"SpecFuseConfig.segment_len must be an integer >= 1, got {self.segment_len!r}")
         if self.score not in SCORES:

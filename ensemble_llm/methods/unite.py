@@ -68,6 +68,7 @@ class UniteConfig:
     primary: int | None = None  # the member whose tokens carry the text; None: the strongest
     solo: float | None = SOLO  # weights="auto": run a member alone where it holds this weight (evidence.py)
     evidence: float = EVIDENCE  # weights="auto": how far the shown answers move the weights (evidence.py)
+    exam: bool = True  # weights="auto": a member that writes none of the shown answers steps aside (evidence.py)
     # True: each member's mass counted once, on the primary's first token of each key (align.onto_main_tokens);
     # False: UniTE's own rule (a key a member lacks takes its first sub-token's logit)
     onto_main: bool = True
@@ -80,6 +81,8 @@ class UniteConfig:
         check_weights(self.weights, None, "UniteConfig")
         check_solo(self.solo, "UniteConfig")
         check_evidence(self.evidence, "UniteConfig")
+        if not isinstance(self.exam, bool):
+            raise ConfigError(f"UniteConfig.exam must be True or False, got {self.exam!r}")
 
 
 @dataclass

@@ -1,0 +1,293 @@
+"""Candidate tasks for the floor set (issue 60), built from public lists shipped in PyPI packages,
+and the rule that picks and splits them.
+
+A floor task is one where one member is at the floor (at most 5% right) and another is not (at
+least 20%): there the ensemble must follow the member that can. BIG-bench's eligible tasks do
+not hold the pattern for the bundled pair, so the candidates are built from word lists, locale
+data and conversions (English word forms, country and language names in other languages, codes,
+number words, numerals...). Each task file has the bigbench_split.py layout: three fixed shots,
+then up to 100 scored examples, each with three drawn shots; bare "Q:/A:" prompts, no instruction.
+
+    pip install lemminflect==0.2.3 wordfreq==3.1.1 babel==2.19.0 pycountry==26.2.16 num2words==0.5.14 \
+        inflect==7.6.0 countryinfo==1.0.1 pyphen==0.18.1 periodictable==2.1.0 roman==5.2 emoji==2.16.0
+    python benchmarks/floor_tasks.py build --out /tmp/floor            # the candidate task files
+    python benchmarks/floor_tasks.py choose --scores S.json            # pick and split by single scores
+
+`choose` reads the members' single-member accuracies (from `ensemble-llm bench --methods single`
+runs, merged into {task: {member: accuracy}}), keeps the floor tasks, and splits them by family
+in the order of a fixed hash into tune and outside (the bigbench_split.py rule), writing
+benchmarks/results/floor_tasks/split.json. The split is chosen before any ensemble runs on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bigbench_split import SHOTS, digest, task_lines  # noqa: E402
+
+SPLIT = Path(__file__).parent / "results" / "floor_tasks" / "split.json"
+FLOOR, ABLE = 0.05, 0.20  # one member at most FLOOR, another at least ABLE
+WORDS = 30000  # the most frequent English words the word-form tasks draw from
+
+
+def _english(pos: str, tag: str, keep=lambda w, f: True) -> list[tuple[str, str]]:
+    """(lemma, its inflection `tag`) for frequent English words that are their own lemma."""
+    from lemminflect import getAllInflections, getInflection, getLemma
+    from wordfreq import top_n_list
+
+    out = []
+    for w in top_n_list("en", WORDS):
+        if not w.isalpha() or not w.islower() or len(w) < 3 or getLemma(w, pos) != (w,):
+            continue
+        known = getAllInflections(w, pos)  # the lookup dictionary only: a word of that part of speech
+        if len(known) < 2 or (pos == "ADJ" and tag not in known):
+            continue
+        forms = getInflection(w, tag)
+        if forms and forms[0] != w and forms[0].isalpha() and keep(w, forms[0]):
+            out.append((w, forms[0]))
+    return out
+
+
+def _plural_to_singular() -> list[tuple[str, str]]:
+    return [(p, s) for s, p in _english("NOUN", "NNS")]
+
+
+def _irregular_past() -> list[tuple[str, str]]:
+    return _english("VERB", "VBD", lambda w, f: not f.endswith("ed"))
+
+
+def _territories(locale: str) -> list[tuple[str, str]]:
+    from babel import Locale
+
+    en, other = Locale("en").territories, Locale(locale).territories
+    return [(en[c], other[c]) for c in sorted(en) if len(c) == 2 and c.isalpha() and c in other and c != "ZZ"]
+
+
+def _languages(locale: str) -> list[tuple[str, str]]:
+    from babel import Locale
+
+    en, other = Locale("en").languages, Locale(locale).languages
+    return [(en[c], other[c]) for c in sorted(en) if len(c) == 2 and c in other]
+
+
+def _alpha(n: int) -> list[tuple[str, str]]:
+    import pycountry
+
+    return [(c.name, c.alpha_2 if n == 2 else c.alpha_3) for c in pycountry.countries if "," not in c.name]
+
+
+def _currencies() -> list[tuple[str, str]]:
+    from babel import Locale
+
+    return [(name, code) for code, name in sorted(Locale("en").currencies.items()) if "(" not in name]
+
+
+def _capitals(reverse: bool) -> list[tuple[str, str]]:
+    from countryinfo import CountryInfo
+
+    out = []
+    for key, info in sorted(CountryInfo.all().items()):
+        cap, name = info.get("capital"), info.get("name")
+        if isinstance(cap, str) and cap and isinstance(name, str) and cap != name:
+            out.append((cap, name) if reverse else (name, cap))
+    return out
+
+
+def _numbers(lang: str, to: str = "cardinal", lo: int = 21, hi: int = 999) -> list[tuple[str, str]]:
+    from num2words import num2words
+
+    nums = random.Random(f"numbers:{lang}:{to}").sample(range(lo, hi), 160)
+    return [(str(n), num2words(n, lang=lang, to=to)) for n in nums]
+
+
+def _roman(reverse: bool) -> list[tuple[str, str]]:
+    import roman
+
+    nums = random.Random(f"roman:{reverse}").sample(range(1, 2000), 160)
+    return [(roman.toRoman(n), str(n)) if reverse else (str(n), roman.toRoman(n)) for n in nums]
+
+
+def _elements() -> list[tuple[str, str]]:
+    import periodictable
+
+    return [(e.name.capitalize(), e.symbol) for e in periodictable.elements if e.number > 0]
+
+
+def _emoji() -> list[tuple[str, str]]:
+    import emoji
+
+    rows = [
+        (ch, d["en"].strip(":").replace("_", " "))
+        for ch, d in emoji.EMOJI_DATA.items()
+        if len(ch) == 1 and d.get("status") == emoji.STATUS["fully_qualified"]
+    ]
+    return random.Random("emoji").sample(sorted(rows), 160)
+
+
+def _hyphenate() -> list[tuple[str, str]]:
+    import pyphen
+    from wordfreq import top_n_list
+
+    dic = pyphen.Pyphen(lang="en_US")
+    words = [w for w in top_n_list("en", 20000) if w.isalpha() and w.islower() and "-" in dic.inserted(w)]
+    return [(w, dic.inserted(w)) for w in random.Random("hyphen").sample(words[2000:], 160)]
+
+
+def _articles() -> list[tuple[str, str]]:
+    import inflect
+    from wordfreq import top_n_list
+
+    eng = inflect.engine()
+    words = [w for w in top_n_list("en", 20000)[1000:] if w.isalpha() and w.islower() and len(w) > 2 and w[-1] != "s"]
+    return [(w, eng.a(w)) for w in random.Random("article").sample(words, 160)]
+
+
+def _reverse() -> list[tuple[str, str]]:
+    from wordfreq import top_n_list
+
+    words = [w for w in top_n_list("en", 5000)[500:] if w.isalpha() and w.islower() and 4 <= len(w) <= 7]
+    return [(w, w[::-1]) for w in random.Random("reverse").sample(words, 160)]
+
+
+def _country_field(field: str, fmt=lambda v: v) -> list[tuple[str, str]]:
+    from countryinfo import CountryInfo
+
+    out = []
+    for _, info in sorted(CountryInfo.all().items()):
+        v = info.get(field)
+        v = v[0] if isinstance(v, list) and v else v
+        if isinstance(v, str) and v and isinstance(info.get("name"), str):
+            out.append((info["name"], fmt(v)))
+    return out
+
+
+def _language_codes(reverse: bool) -> list[tuple[str, str]]:
+    from babel import Locale
+
+    rows = [(name, c) for c, name in sorted(Locale("en").languages.items()) if len(c) == 2]
+    return [(c, name) for name, c in rows] if reverse else rows
+
+
+def _base(base: int) -> list[tuple[str, str]]:
+    nums = random.Random(f"base:{base}").sample(range(2, 256), 160)
+    return [(str(n), format(n, "b" if base == 2 else "x")) for n in nums]
+
+
+def _digits_of_words() -> list[tuple[str, str]]:
+    return [(w, n) for n, w in _numbers("en")]
+
+
+def _greek() -> list[tuple[str, str]]:
+    import unicodedata
+
+    letters = [chr(c) for c in range(0x391, 0x3CA) if re.fullmatch(r"GREEK (SMALL|CAPITAL) LETTER \w+", unicodedata.name(chr(c), ""))]
+    return [(ch, unicodedata.name(ch).split()[-1].lower()) for ch in letters]
+
+
+def _element_numbers() -> list[tuple[str, str]]:
+    import periodictable
+
+    return [(str(e.number), e.name.capitalize()) for e in periodictable.elements if e.number > 0]
+
+
+# task -> (family, the pairs); a family's siblings always land in the same half
+CANDIDATES = {
+    "en_past_participle": ("en_verb_forms", lambda: _english("VERB", "VBN")),
+    "en_gerund": ("en_verb_forms", lambda: _english("VERB", "VBG")),
+    "en_irregular_past": ("en_verb_forms", _irregular_past),
+    "en_comparative": ("en_adjective_forms", lambda: _english("ADJ", "JJR")),
+    "en_superlative": ("en_adjective_forms", lambda: _english("ADJ", "JJS")),
+    "en_singular": ("en_singular", _plural_to_singular),
+    "country_de": ("country_names", lambda: _territories("de")),
+    "country_fr": ("country_names", lambda: _territories("fr")),
+    "country_es": ("country_names", lambda: _territories("es")),
+    "language_de": ("language_names", lambda: _languages("de")),
+    "language_fr": ("language_names", lambda: _languages("fr")),
+    "country_alpha2": ("country_codes", lambda: _alpha(2)),
+    "country_alpha3": ("country_codes", lambda: _alpha(3)),
+    "currency_code": ("currency_code", _currencies),
+    "capital_of": ("capitals", lambda: _capitals(False)),
+    "country_of_capital": ("capitals", lambda: _capitals(True)),
+    "number_words_en": ("number_words", lambda: _numbers("en")),
+    "number_words_de": ("number_words", lambda: _numbers("de")),
+    "number_words_fr": ("number_words", lambda: _numbers("fr")),
+    "number_words_es": ("number_words", lambda: _numbers("es")),
+    "ordinal_en": ("ordinals", lambda: _numbers("en", "ordinal", 1, 200)),
+    "to_roman": ("roman", lambda: _roman(False)),
+    "from_roman": ("roman", lambda: _roman(True)),
+    "element_symbol": ("element_symbol", _elements),
+    "emoji_name": ("emoji_name", _emoji),
+    "hyphenate": ("hyphenate", _hyphenate),
+    "indefinite_article": ("indefinite_article", _articles),
+    "reverse_word": ("reverse_word", _reverse),
+    "country_demonym": ("country_facts", lambda: _country_field("demonym")),
+    "country_tld": ("country_facts", lambda: _country_field("tld")),
+    "country_calling_code": ("country_facts", lambda: _country_field("callingCodes", lambda v: "+" + v)),
+    "language_code": ("language_codes", lambda: _language_codes(False)),
+    "code_language": ("language_codes", lambda: _language_codes(True)),
+    "to_binary": ("number_bases", lambda: _base(2)),
+    "to_hex": ("number_bases", lambda: _base(16)),
+    "words_to_number": ("number_words", _digits_of_words),
+    "greek_letter_name": ("greek_letter_name", _greek),
+    "element_of_number": ("element_symbol", _element_numbers),
+    # names in other scripts: one family per language (its countries and its languages together)
+    **{
+        f"{kind}_{lang}": (f"names_{lang}", (lambda k, x: lambda: (_territories if k == "country" else _languages)(x))(kind, lang))
+        for lang in ("ru", "el", "ja", "zh", "ko", "ar", "hi")
+        for kind in ("country", "language")
+    },
+}
+
+
+def build(out: Path) -> None:
+    for name, (family, pairs) in CANDIDATES.items():
+        if (out / f"{name}.jsonl").exists():
+            continue
+        rows = [{"input": q, "targets": [a]} for q, a in dict(pairs()).items()]
+        rows.sort(key=lambda r: r["input"])
+        lines = task_lines(f"floor:{name}", {}, rows)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+        print(f"{name}: {len(lines) - SHOTS} examples ({family})")
+
+
+def choose(scores: dict[str, dict[str, float]]) -> dict:
+    """The floor tasks (one member <= FLOOR, another >= ABLE) split by family into tune/outside."""
+    floor = sorted(
+        t for t, s in scores.items() if t in CANDIDATES and min(s.values()) <= FLOOR and max(s.values()) >= ABLE
+    )
+    families = sorted({CANDIDATES[t][0] for t in floor}, key=digest)
+    half = {f: ("tune", "outside")[k % 2] for k, f in enumerate(families)}
+    return {
+        "rule": {"floor": FLOOR, "able": ABLE, "salt_digest": "bigbench_split.digest, families alternate"},
+        "single_scores": scores,
+        "tune": [t for t in floor if half[CANDIDATES[t][0]] == "tune"],
+        "outside": [t for t in floor if half[CANDIDATES[t][0]] == "outside"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("choose")
+    c.add_argument("--scores", type=Path, required=True)
+    args = ap.parse_args()
+    if args.cmd == "build":
+        build(args.out)
+        return
+    record = choose(json.loads(args.scores.read_text()))
+    SPLIT.parent.mkdir(parents=True, exist_ok=True)
+    SPLIT.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: record[k] for k in ("tune", "outside")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
