@@ -13,9 +13,10 @@ then up to 100 scored examples, each with three drawn shots; bare "Q:/A:" prompt
     python benchmarks/floor_tasks.py build --out /tmp/floor            # the candidate task files
     python benchmarks/floor_tasks.py choose --scores S.json            # pick and split by single scores
 
-`choose` reads the members' single-member accuracies (from `ensemble-llm bench --methods single`
-runs, merged into {task: {member: accuracy}}), keeps the floor tasks, and splits them by family
-in the order of a fixed hash into tune and outside (the bigbench_split.py rule), writing
+`choose` reads the members' single-member accuracies (`ensemble-llm bench --methods single` runs,
+one folder per task), splits the tasks by family into tune and outside by the parity of the
+family's hash (bigbench_split.py's digest; siblings stay together), and lists in each half the
+floor tasks and the tasks where both members are competent, writing
 benchmarks/results/floor_tasks/split.json. The split is chosen before any ensemble runs on them.
 """
 
@@ -167,6 +168,20 @@ def _country_field(field: str, fmt=lambda v: v) -> list[tuple[str, str]]:
     return out
 
 
+def _country_language() -> list[tuple[str, str]]:
+    from babel import Locale
+
+    names = Locale("en").languages
+    return [(c, names[code]) for c, code in _country_field("languages") if code in names]
+
+
+def _country_currency() -> list[tuple[str, str]]:
+    from babel import Locale
+
+    names = Locale("en").currencies
+    return [(c, names[code]) for c, code in _country_field("currencies") if code in names]
+
+
 def _language_codes(reverse: bool) -> list[tuple[str, str]]:
     from babel import Locale
 
@@ -236,6 +251,9 @@ CANDIDATES = {
     "words_to_number": ("number_words", _digits_of_words),
     "greek_letter_name": ("greek_letter_name", _greek),
     "element_of_number": ("element_symbol", _element_numbers),
+    "symbol_element": ("element_symbol", lambda: [(b, a) for a, b in _elements()]),
+    "country_language": ("country_facts", _country_language),
+    "country_currency": ("country_facts", _country_currency),
     # names in other scripts: one family per language (its countries and its languages together)
     **{
         f"{kind}_{lang}": (f"names_{lang}", (lambda k, x: lambda: (_territories if k == "country" else _languages)(x))(kind, lang))
@@ -258,18 +276,37 @@ def build(out: Path) -> None:
 
 
 def choose(scores: dict[str, dict[str, float]]) -> dict:
-    """The floor tasks (one member <= FLOOR, another >= ABLE) split by family into tune/outside."""
-    floor = sorted(
-        t for t, s in scores.items() if t in CANDIDATES and min(s.values()) <= FLOOR and max(s.values()) >= ABLE
-    )
-    families = sorted({CANDIDATES[t][0] for t in floor}, key=digest)
-    half = {f: ("tune", "outside")[k % 2] for k, f in enumerate(families)}
-    return {
-        "rule": {"floor": FLOOR, "able": ABLE, "salt_digest": "bigbench_split.digest, families alternate"},
-        "single_scores": scores,
-        "tune": [t for t in floor if half[CANDIDATES[t][0]] == "tune"],
-        "outside": [t for t in floor if half[CANDIDATES[t][0]] == "outside"],
+    """Every scored candidate's family to tune or outside (families in the order of the fixed
+    hash, alternating: bigbench_split.py's rule), and in each half the floor tasks (one member
+    <= FLOOR, another >= ABLE) and the tasks where both members are competent (both >= ABLE)."""
+    names = sorted(t for t in scores if t in CANDIDATES)
+    families = sorted({CANDIDATES[t][0] for t in names})
+    # by the parity of each family's own hash (not alternating over the sorted hashes, as
+    # bigbench_split.py does): a family added later does not move the others
+    half = {f: ("tune", "outside")[digest(f) % 2] for f in families}
+    record: dict = {
+        "rule": {"floor": FLOOR, "able": ABLE, "split": "bigbench_split.digest(family) % 2: 0 tune, 1 outside"},
+        "single_accuracy": {t: scores[t] for t in names},
     }
+    for h in ("tune", "outside"):
+        mine = [t for t in names if half[CANDIDATES[t][0]] == h]
+        record[h] = {
+            "families": sorted(f for f in families if half[f] == h),
+            "floor": [t for t in mine if min(scores[t].values()) <= FLOOR and max(scores[t].values()) >= ABLE],
+            "both_competent": [t for t in mine if min(scores[t].values()) >= ABLE],
+            "all": mine,
+        }
+    return record
+
+
+def read_scores(folder: Path) -> dict[str, dict[str, float]]:
+    """{task: {member: accuracy}} from `ensemble-llm bench --methods single` runs, one folder per task."""
+    out = {}
+    for res in sorted(folder.glob("*/results.json")):
+        r = json.loads(res.read_text())
+        hits = next(iter(r["hits"].values()))
+        out[res.parent.name] = {r["models"][int(k.split("-")[1])]: round(sum(v) / len(v), 3) for k, v in hits.items()}
+    return out
 
 
 def main() -> None:
@@ -278,15 +315,15 @@ def main() -> None:
     b = sub.add_parser("build")
     b.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("choose")
-    c.add_argument("--scores", type=Path, required=True)
+    c.add_argument("--scores", type=Path, required=True, help="a folder of single-member bench runs, one per task")
     args = ap.parse_args()
     if args.cmd == "build":
         build(args.out)
         return
-    record = choose(json.loads(args.scores.read_text()))
+    record = choose(read_scores(args.scores))
     SPLIT.parent.mkdir(parents=True, exist_ok=True)
     SPLIT.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({k: record[k] for k in ("tune", "outside")}, indent=1))
+    print(json.dumps({h: {k: record[h][k] for k in ("floor", "both_competent")} for h in ("tune", "outside")}, indent=1))
 
 
 if __name__ == "__main__":

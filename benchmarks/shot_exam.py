@@ -1,6 +1,6 @@
 """The shot exam's findings per example (evidence.py): for each member and each answer the prompt
-shows, whether the member writes it greedily given what comes before it, read from the prompt's
-prefill as the engine reads it (`score_prompt`'s gaps). The first shown answer is recorded too,
+shows, how far the member is from writing it greedily given what comes before it, read from the
+prompt's prefill as the engine reads it (`score_prompt`'s gaps). The first shown answer is recorded too,
 though the engine does not examine it. Joined with the bench's per-example hits, this tells what
 a rule would have done without running the ensemble again (a request a rule sends to one member
 gets that member's own greedy answer, which the bench's single runs hold).
@@ -19,13 +19,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ensemble_llm import Ensemble  # noqa: E402
 from ensemble_llm.bench import resolve_tasks, task_prompts  # noqa: E402
-from ensemble_llm.evidence import GREEDY_GAP, answer_spans, span_groups  # noqa: E402
+from ensemble_llm.evidence import answer_spans, span_groups  # noqa: E402
 
 PAIR = ("smollm2-135m-instruct", "gemma-3-270m")
 
 
 def exam(member, prompt: str) -> list[dict]:
-    """Per shown answer: written greedily, and the sum of its tokens' gaps to the best token."""
+    """Per shown answer: the sum of its tokens' gaps to the best token (0: the member writes it)."""
     ids = member.prompt_ids(prompt)
     groups = span_groups(member, prompt, ids, answer_spans(prompt))
     if not groups:
@@ -34,8 +34,7 @@ def exam(member, prompt: str) -> list[dict]:
     got = dict(zip(want, member.score_prompt(ids, want)))
     member.forget_prompt(ids)
     return [
-        {"passed": all(got[p].gap >= -GREEDY_GAP for p in g), "gap": round(sum(got[p].gap for p in g), 4)}
-        for g in groups
+        {"gap": round(sum(got[p].gap for p in g), 4)} for g in groups
     ]
 
 

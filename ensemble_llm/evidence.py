@@ -28,16 +28,17 @@ Where the evidence comes from:
   (`chat_spans`).
 A prompt that shows no answer keeps the prior weights.
 
-The shot exam (`shot_exam`, on by default, at any `evidence` rate): from the same prefill, whether
-each member would have written each shown answer itself, greedily, given what comes before it:
-every token of the answer (its newline included) the member's own argmax. The first shown answer
-is not examined (it comes before any shot: a question of format, not of the task). A member that
-writes none of the examined answers while another writes at least `EXAM_PASS` of them cannot do
-the task as the prompt shows it: it steps aside (`exam_aside`), and with one member left that
-member runs alone. Greedy answers, not likelihoods: a member that explains the shots a little
-better is not a member that can do the task (routing by likelihood chose the worse member on
-factual tasks), while one that copies the input, keeps the wrong form or misses the format on
-every shot cannot.
+The shot exam (`shot_exam`, on by default, at any `evidence` rate): from the same prefill, how far
+each member is from writing each shown answer itself, greedily, given what comes before it: the
+sum over the answer's tokens (its newline included) of the token's log-prob minus the best
+token's (0 where the member would write the answer; `PromptScore.gap`), averaged over the
+examined answers. The first shown answer is not examined (it comes before any shot: a question
+of format, not of the task). A member whose mean is `EXAM_BEHIND` nats or more below another
+member's cannot do the task as the prompt shows it (it copies the input, misses the script or the
+form on every shot): it steps aside (`exam_aside`), and with one member left that member runs
+alone. Only a wide gap acts: which member explains the shots a little better says little about
+which is right next (routing by it chose the worse member on factual tasks), while a member that
+is nowhere near writing any of them is at the floor.
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ MAX_LABEL = 40  # a label is a short line prefix ("A:", "Answer:", "Past partici
 MAX_POSITIONS = 96  # scored positions per member and request (the last answers are kept)
 FLOOR = 1e-3  # the smallest weight a member keeps
 EXAM_ANSWERS = 8  # shown answers examined per request (the last ones)
-EXAM_PASS = 2  # examined answers another member must write for a member with none to step aside
-GREEDY_GAP = 1e-4  # nat: a token this close to the row's best counts as the member's greedy choice
+EXAM_BEHIND = 4.0  # nats per examined answer behind the best member: it steps aside (benchmarks/exam_rules.py)
 
 
 def answer_spans(text: str) -> list[tuple[int, int]]:
@@ -109,18 +109,16 @@ def span_groups(member, text: str, ids: Sequence[int], spans: Sequence[tuple[int
     return [[p for p in span_positions(ends, [s], offset)] for s in spans]
 
 
-def shot_exam(scores: Sequence[Sequence[PromptScore]]) -> list[bool]:
-    """Per examined answer (its tokens' scores), whether the member writes it greedily."""
-    return [bool(s) and all(x.gap >= -GREEDY_GAP for x in s) for s in scores]
+def shot_exam(scores: Sequence[Sequence[PromptScore]]) -> float:
+    """How far a member is from writing the examined answers (each one's tokens' scores): the
+    mean over the answers of the sum of their tokens' gaps to the best token (0: it writes them)."""
+    return sum(sum(x.gap for x in s) for s in scores) / max(1, len(scores))
 
 
-def exam_aside(passed: Sequence[Sequence[bool]], need: int = EXAM_PASS) -> list[int]:
-    """The members that step aside: none of the examined answers written, while another member
-    writes at least `need` of them (and at least one member stays)."""
-    counts = [sum(p) for p in passed]
-    if max(counts, default=0) < need:
-        return []
-    return [k for k, c in enumerate(counts) if c == 0]
+def exam_aside(gaps: Sequence[float], behind: float = EXAM_BEHIND) -> list[int]:
+    """The members that step aside: `behind` nats or more below the best member's shot exam."""
+    best = max(gaps, default=0.0)
+    return [k for k, g in enumerate(gaps) if best - g >= behind]
 
 
 def answer_positions(member, text: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[int]:
@@ -194,7 +192,7 @@ def request_weights(
     weighed = [[p for g in groups for p in g][-MAX_POSITIONS:] if rate else [] for groups in plans]
     scored: list[dict | None] = [None] * len(members)
 
-    def score(k: int) -> tuple[list[bool], float]:  # (examined answers written, mean log-prob per answer)
+    def score(k: int) -> tuple[float, float]:  # (shot exam, mean log-prob per shown answer)
         if scored[k] is None:
             want = sorted({p for g in examined[k] for p in g} | set(weighed[k]))
             scored[k] = dict(zip(want, members[k].score_prompt(prompt_ids[k], want)))
@@ -208,7 +206,7 @@ def request_weights(
     weights = list(prior)
     if exam:
         aside = exam_aside([p for p, _ in found])
-        notes["exam"] = {m.name: sum(p) for m, (p, _) in zip(members, found)} | {"examined": len(examined[0])}
+        notes["exam"] = {m.name: round(g, 3) for m, (g, _) in zip(members, found)} | {"examined": len(examined[0])}
         if aside:
             notes["aside"] = [members[k].name for k in aside]
             weights = [FLOOR if k in aside else w for k, w in enumerate(weights)]
@@ -227,13 +225,13 @@ def request_weights(
 def _solo_bound(method, members, prior, main, rate, score, notes, positions: int) -> list[float] | None:
     """The weights when the main member's own findings settle that it runs alone (`solo_member`),
     with the others' prompts unscored: a prior that gives it the solo weight, an exam it did not
-    fail (so it cannot step aside), and the weight it keeps even against others whose evidence
+    could not fail (no member is EXAM_BEHIND ahead of one within EXAM_BEHIND of 0), and the weight it keeps even against others whose evidence
     were 0 (a log-probability's maximum; their weights are upper bounds). Else None."""
     solo = method.solo_weight()
     if solo is None or prior[main] < solo:
         return None
-    passed, e = score(main)
-    if method.exam_on() and not any(passed):
+    gap, e = score(main)
+    if method.exam_on() and gap <= -EXAM_BEHIND:  # another member (its exam at most 0) could be that far ahead
         return None
     bound = posterior(prior, [e if k == main else 0.0 for k in range(len(members))], 1 / rate) if rate else list(prior)
     if bound[main] < solo:

@@ -103,6 +103,7 @@ def make_request(
         weights=weights,
         prior=prior,
         main=main,
+        aside=tuple(k for k, m in enumerate(members) if m.name in notes.get("aside", ())),
         guide=Guide(p.constraint, members) if p.constraint else None,
         trace=[] if p.trace else None,
     )

@@ -13,8 +13,8 @@ from helpers import GEMMA, SMOL
 from ensemble_llm import ConfigError, Ensemble
 from ensemble_llm.bench import load_task, resolve_task
 from ensemble_llm.evidence import (
+    EXAM_BEHIND,
     FLOOR,
-    GREEDY_GAP,
     answer_spans,
     chat_spans,
     exam_aside,
@@ -63,21 +63,22 @@ def test_span_positions_pick_tokens_ending_inside_a_span():
     assert span_positions(ends, [(0, 3)], offset=0) == []  # position 0 has no context to predict it
 
 
-def test_shot_exam_passes_an_answer_only_when_every_token_is_the_greedy_one():
-    ok, near, off = PromptScore(-0.2, 0.0), PromptScore(-0.7, -GREEDY_GAP / 2), PromptScore(-0.1, -0.05)
-    assert shot_exam([[ok, near], [ok, off], [off], []]) == [True, False, False, False]
+def test_shot_exam_is_the_mean_distance_from_writing_each_answer():
+    ok, near, off = PromptScore(-0.2, 0.0), PromptScore(-0.7, -0.25), PromptScore(-3.1, -2.0)
+    assert shot_exam([[ok, near], [off, off]]) == pytest.approx((-0.25 - 4.0) / 2)
+    assert shot_exam([[ok], [ok]]) == 0.0 and shot_exam([]) == 0.0
 
 
 def test_exam_aside_matches_the_rule_on_every_small_case():
-    """Brute force over 2 and 3 members, 0..3 examined answers each: a member steps aside exactly
-    when it wrote none and another wrote at least `need`; one that wrote any never does."""
+    """Brute force over 2 and 3 members on a grid of exams: a member steps aside exactly when
+    another member's exam is at least `behind` above its own; the best member never does."""
     import itertools
 
-    for n, need in itertools.product((2, 3), (1, 2, 3)):
-        for counts in itertools.product(range(4), repeat=n):
-            passed = [[True] * c + [False] * (3 - c) for c in counts]
-            want = [k for k, c in enumerate(counts) if c == 0] if max(counts) >= need else []
-            assert exam_aside(passed, need) == want
+    grid = (0.0, -0.5, -2.0, -3.9, -4.0, -6.0, -12.0)
+    for n, behind in itertools.product((2, 3), (1.0, 4.0)):
+        for gaps in itertools.product(grid, repeat=n):
+            want = [k for k, g in enumerate(gaps) if any(o - g >= behind for o in gaps)]
+            assert exam_aside(gaps, behind) == want
             assert len(want) < n  # someone stays
 
 
@@ -373,3 +374,34 @@ def test_solo_scores_only_the_main_member_when_no_evidence_could_change_it(tiny_
             assert scored == [1, 1] and w == pytest.approx(full, abs=1e-3)
     w, _, _, scored = weights(prior, None)  # solo off: everyone scored
     assert scored == [1, 1]
+
+
+# ---- the shot exam: a member nowhere near writing the shown answers steps aside ----------------------
+RUSSIAN = (
+    "Q: France\nA: Франция\nQ: Germany\nA: Германия\nQ: Italy\nA: Италия\nQ: Spain\nA: Испания\nQ: Japan\nA:"
+)
+
+
+@pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
+def test_a_member_far_behind_on_the_shot_exam_steps_aside(real_dirs, plural_prompt, method):
+    """Country names in Russian: SmolLM2 (English) is tens of nats from writing each shown answer,
+    Gemma-3 (multilingual) near it, so SmolLM2 steps aside and the request is Gemma's own decode
+    (its text); with exam=False both run. On plural shots both members are near every answer:
+    nobody steps aside."""
+    smol, gemma = real_dirs[SMOL], real_dirs[GEMMA]
+    extra = {"n_particles": 2} if method == "smc" else {}
+    eng = Ensemble([smol, gemma], method=method, config=extra).load()
+    names = [m.name for m in eng.members]
+    res = eng.generate(RUSSIAN, raw=True, max_new_tokens=8, stop=["\n"])
+    exam = res.stats["exam"]
+    assert exam["examined"] == 3 and exam[names[1]] - exam[names[0]] >= EXAM_BEHIND
+    assert res.stats["aside"] == [names[0]] and res.stats["solo"] == names[1]
+    alone = Ensemble([gemma], method="single").generate(RUSSIAN, raw=True, max_new_tokens=8, stop=["\n"])
+    assert res.text == alone.text
+    plural = eng.generate(plural_prompt, raw=True, max_new_tokens=8, stop=["\n"])
+    assert "aside" not in plural.stats and "solo" not in plural.stats and plural.stats["exam"]["examined"] == 2
+    off = Ensemble([smol, gemma], method=method, config={**extra, "exam": False}).load()
+    r2 = off.generate(RUSSIAN, raw=True, max_new_tokens=8, stop=["\n"])
+    assert "exam" not in r2.stats and "solo" not in r2.stats
+    with pytest.raises(ConfigError, match="exam must be True or False"):
+        Ensemble([smol, gemma], method=method, config={"exam": "yes"})

@@ -98,6 +98,7 @@ class Request:
     weights: list[float] | None = None  # member weights for this request (resolved by the engine)
     prior: list[float] | None = None  # weights="auto": the calibrated weights before this request's evidence
     main: int = 0  # the main member (drafter / primary) for this request (resolved by the engine)
+    aside: tuple[int, ...] = ()  # members that failed the shot exam (evidence.py): weight FLOOR
     guide: Any = None  # a constraints.Guide when the reply must match a grammar, else None
     trace: list[dict] | None = None  # when a list, the method appends where the ensemble decided
 

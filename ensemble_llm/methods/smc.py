@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, GenerationError, RequestError
+from ..evidence import FLOOR
 from ..guide import CLOSE_MARGIN
 from ..members.bytelm import EOS
 from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
@@ -399,7 +400,9 @@ class Smc(Method):
             # member knows the task, evidence.py) chose the main member and whether one runs
             # alone (`solo`), but as exponents they made the product follow one member
             # (suite, 301 examples: 96-98 correct against 103 with equal exponents; README)
-            req.weights = [1.0 / len(self.members)] * len(self.members)
+            # (a member the shot exam stepped aside keeps its floor weight)
+            live = len(self.members) - len(req.aside)
+            req.weights = [FLOOR if k in req.aside else 1.0 / live for k in range(len(self.members))]
         # temperature 0 (greedy elsewhere): the mode of the untempered ensemble by beam search, or
         # (greedy="sample") one SMC sample with a fixed seed; temperature > 0 tempers every member.
         temperature = req.temperature if req.temperature > 0 else 1.0

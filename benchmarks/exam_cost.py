@@ -1,0 +1,86 @@
+"""What the shot exam costs a request (issue 60: at most 10% of its time, cold).
+
+Each configuration runs in a fresh process: the bundled pair on llama.cpp, one method, the exam
+on or off; the first few-shot request after loading is the cold one, the next ones (other
+examples of the same tasks) are warm. Rounds alternate on/off so drift hits both alike; the
+figure is the median of the per-round ratios on/off of the request's wall time.
+
+    python benchmarks/exam_cost.py --tasks /tmp/floor/capital_of.jsonl /tmp/dev/plural.jsonl \
+        --rounds 3 --out benchmarks/results/exam_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
+METHODS = ["unite", "safe", "specfuse", "smc"]
+WARM = 4  # warm requests after the cold one
+
+
+def child(method: str, exam: bool, tasks: list[str]) -> dict:
+    from ensemble_llm import Ensemble
+    from ensemble_llm.bench import task_prompts
+
+    cfg = {"exam": exam, **({"n_particles": 4} if method == "smc" else {})}
+    eng = Ensemble(PAIR, method=method, config=cfg).load()
+    prompts = [p for t in tasks for p, _ in task_prompts(Path(t), 1 + WARM, "drawn")]
+    times, fired = [], 0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        res = eng.generate(prompt, raw=True, max_new_tokens=16, stop=["\n"])
+        times.append(time.perf_counter() - t0)
+        fired += "solo" in res.stats
+    cold = [times[k * (1 + WARM)] for k in range(len(tasks))]
+    warm = [t for i, t in enumerate(times) if i % (1 + WARM)]
+    eng.close()
+    return {"cold_s": sum(cold), "warm_s": sum(warm), "fired": fired, "requests": len(times)}
+
+
+def run_child(method: str, exam: bool, tasks: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--child", method, str(int(exam)), "--tasks", *tasks]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", nargs="+", required=True, help="task files with drawn shots (bigbench_split layout)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--child", nargs=2, metavar=("METHOD", "EXAM"))
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1] == "1", args.tasks)))
+        return
+    results = {}
+    for method in args.methods:
+        runs = []
+        for r in range(args.rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            pair = {exam: run_child(method, exam, args.tasks) for exam in order}
+            runs.append({"off": pair[False], "on": pair[True]})
+            print(method, r, json.dumps(runs[-1]), flush=True)
+        results[method] = {
+            "rounds": runs,
+            "cold_ratio_median": round(statistics.median(x["on"]["cold_s"] / x["off"]["cold_s"] for x in runs), 3),
+            "warm_ratio_median": round(statistics.median(x["on"]["warm_s"] / x["off"]["warm_s"] for x in runs), 3),
+        }
+    record = {"command": " ".join(sys.argv), "tasks": args.tasks, "pair": PAIR, "methods": results}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({m: {k: v for k, v in r.items() if k != "rounds"} for m, r in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
