@@ -22,12 +22,39 @@ from split_report import markdown, report, singles_of  # noqa: E402
 
 
 def merge(folder: Path, tasks: list[str]) -> dict:
-    hits, shots, models = {}, None, None
+    hits, outputs, shots, models = {}, {}, None, None
     for t in tasks:
         r = json.loads((folder / t / "results.json").read_text())
         hits.update(r["hits"])
+        outputs.update(r["outputs"])
         shots, models = r.get("shots"), r.get("models")
-    return {"hits": hits, "shots": shots, "models": models}
+    return {"hits": hits, "outputs": outputs, "shots": shots, "models": models}
+
+
+def causes(merged: dict, task_files: Path, tasks: list[str]) -> dict:
+    """Per task and method, the examples the better member gets right and the method does not:
+    how many of them are the other (worse) member's own answer, and how many copy the question."""
+    from ensemble_llm.bench import norm
+
+    out = {}
+    for t in tasks:
+        hits, outs = merged["hits"][t], merged["outputs"][t]
+        singles = singles_of(merged["hits"], [t])
+        better = max(singles, key=lambda k: sum(hits[k]))
+        worse = [k for k in singles if k != better][0]
+        rows = [json.loads(x) for x in (task_files / f"{t}.jsonl").read_text().splitlines()[3:]]
+        fig = {}
+        for k in hits:
+            if k.startswith("single-"):
+                continue
+            lost = [i for i in range(len(hits[k])) if hits[better][i] and not hits[k][i]]
+            fig[k] = {
+                "lost": len(lost),
+                "worse_members_answer": sum(norm(outs[k][i]) == norm(outs[worse][i]) for i in lost),
+                "copies_the_question": sum(norm(outs[k][i]) == norm(rows[i]["input"]) for i in lost),
+            }
+        out[t] = {"better": better, "methods": fig}
+    return out
 
 
 def keeps(hits: dict, tasks: list[str]) -> dict:
@@ -60,19 +87,42 @@ def keep_markdown(k: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cause_markdown(c: dict) -> str:
+    lines = [
+        "## Where a method loses the better member's right answers",
+        "",
+        "Of the examples the better member gets right and the method does not: how many are the other "
+        "member's own answer, and how many copy the question.",
+        "",
+        "| task | better member | method | lost | the other member's answer | copies the question |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t, r in c.items():
+        for k, f in r["methods"].items():
+            lines.append(
+                f"| {t} | {r['better']} | {k} | {f['lost']} | {f['worse_members_answer']} | {f['copies_the_question']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", type=Path)
     ap.add_argument("--tasks", nargs="+", required=True)
     ap.add_argument("--title", required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--task-files", type=Path, help="the task files (floor_tasks.py build): the causes table")
     args = ap.parse_args()
     merged = merge(args.runs, args.tasks)
     rep = report(merged, 0.1)
     rep["keeps"] = keeps(merged["hits"], sorted(args.tasks))
+    if args.task_files:
+        rep["causes"] = causes(merged, args.task_files, sorted(args.tasks))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
     text = markdown(rep, args.title) + "\n" + keep_markdown(rep["keeps"])
+    if "causes" in rep:
+        text += "\n" + cause_markdown(rep["causes"])
     (args.out / "report.md").write_text(text)
     print(text)
 

@@ -34,6 +34,9 @@ from bigbench_split import SHOTS, digest, task_lines  # noqa: E402
 
 SPLIT = Path(__file__).parent / "results" / "floor_tasks" / "split.json"
 FLOOR, ABLE = 0.05, 0.20  # one member at most FLOOR, another at least ABLE
+# a wider, secondary set fixed with the split: the worse member at most 10%, the better at least
+# 15% and three times the worse (the outside half holds only two floor tasks)
+LOPSIDED = (0.10, 0.15, 3.0)
 WORDS = 30000  # the most frequent English words the word-form tasks draw from
 
 
@@ -293,10 +296,17 @@ def choose(scores: dict[str, dict[str, float]]) -> dict:
         record[h] = {
             "families": sorted(f for f in families if half[f] == h),
             "floor": [t for t in mine if min(scores[t].values()) <= FLOOR and max(scores[t].values()) >= ABLE],
+            "lopsided": [t for t in mine if _lopsided(scores[t])],
             "both_competent": [t for t in mine if min(scores[t].values()) >= ABLE],
             "all": mine,
         }
     return record
+
+
+def _lopsided(s: dict[str, float]) -> bool:
+    low, high, ratio = LOPSIDED
+    worse, better = min(s.values()), max(s.values())
+    return worse <= low and better >= high and better >= ratio * worse
 
 
 def read_scores(folder: Path) -> dict[str, dict[str, float]]:
@@ -323,7 +333,7 @@ def main() -> None:
     record = choose(read_scores(args.scores))
     SPLIT.parent.mkdir(parents=True, exist_ok=True)
     SPLIT.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({h: {k: record[h][k] for k in ("floor", "both_competent")} for h in ("tune", "outside")}, indent=1))
+    print(json.dumps({h: {k: record[h][k] for k in ("floor", "lopsided", "both_competent")} for h in ("tune", "outside")}))
 
 
 if __name__ == "__main__":
