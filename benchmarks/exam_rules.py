@@ -95,7 +95,10 @@ def table(result: dict) -> str:
         best = max(sum(f["single"][i] for f in tasks.values()) for i in range(2))
         router = sum(max(f["single"]) for f in tasks.values())
         fired = sum(f["fired"] for f in tasks.values())
-        lines.append(f"{rule:14s} fired {fired:4d}  best {best} router {router}  " + "  ".join(f"{k} {v}" for k, v in pooled.items()))
+        lines.append(
+            f"{rule:14s} fired {fired:4d}  best {best} router {router}  "
+            + "  ".join(f"{k} {v}" for k, v in pooled.items())
+        )
     return "\n".join(lines)
 
 

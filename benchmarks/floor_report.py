@@ -100,7 +100,8 @@ def cause_markdown(c: dict) -> str:
     for t, r in c.items():
         for k, f in r["methods"].items():
             lines.append(
-                f"| {t} | {r['better']} | {k} | {f['lost']} | {f['worse_members_answer']} | {f['copies_the_question']} |"
+                f"| {t} | {r['better']} | {k} | {f['lost']} | {f['worse_members_answer']} "
+                f"| {f['copies_the_question']} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -96,7 +96,7 @@ def _capitals(reverse: bool) -> list[tuple[str, str]]:
     from countryinfo import CountryInfo
 
     out = []
-    for key, info in sorted(CountryInfo.all().items()):
+    for _, info in sorted(CountryInfo.all().items()):
         cap, name = info.get("capital"), info.get("name")
         if isinstance(cap, str) and cap and isinstance(name, str) and cap != name:
             out.append((cap, name) if reverse else (name, cap))
@@ -204,7 +204,11 @@ def _digits_of_words() -> list[tuple[str, str]]:
 def _greek() -> list[tuple[str, str]]:
     import unicodedata
 
-    letters = [chr(c) for c in range(0x391, 0x3CA) if re.fullmatch(r"GREEK (SMALL|CAPITAL) LETTER \w+", unicodedata.name(chr(c), ""))]
+    letters = [
+        chr(c)
+        for c in range(0x391, 0x3CA)
+        if re.fullmatch(r"GREEK (SMALL|CAPITAL) LETTER \w+", unicodedata.name(chr(c), ""))
+    ]
     return [(ch, unicodedata.name(ch).split()[-1].lower()) for ch in letters]
 
 
@@ -259,7 +263,10 @@ CANDIDATES = {
     "country_currency": ("country_facts", _country_currency),
     # names in other scripts: one family per language (its countries and its languages together)
     **{
-        f"{kind}_{lang}": (f"names_{lang}", (lambda k, x: lambda: (_territories if k == "country" else _languages)(x))(kind, lang))
+        f"{kind}_{lang}": (
+            f"names_{lang}",
+            (lambda k, x: lambda: (_territories if k == "country" else _languages)(x))(kind, lang),
+        )
         for lang in ("ru", "el", "ja", "zh", "ko", "ar", "hi")
         for kind in ("country", "language")
     },
@@ -333,7 +340,9 @@ def main() -> None:
     record = choose(read_scores(args.scores))
     SPLIT.parent.mkdir(parents=True, exist_ok=True)
     SPLIT.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({h: {k: record[h][k] for k in ("floor", "lopsided", "both_competent")} for h in ("tune", "outside")}))
+    print(
+        json.dumps({h: {k: record[h][k] for k in ("floor", "lopsided", "both_competent")} for h in ("tune", "outside")})
+    )
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ def exam(member, prompt: str) -> list[dict]:
     want = sorted({p for g in groups for p in g})
     got = dict(zip(want, member.score_prompt(ids, want)))
     member.forget_prompt(ids)
-    return [
-        {"gap": round(sum(got[p].gap for p in g), 4)} for g in groups
-    ]
+    return [{"gap": round(sum(got[p].gap for p in g), 4)} for g in groups]
 
 
 def main() -> None:

@@ -197,7 +197,9 @@ def request_weights(
             want = sorted({p for g in examined[k] for p in g} | set(weighed[k]))
             scored[k] = dict(zip(want, members[k].score_prompt(prompt_ids[k], want)))
         sc = scored[k]
-        return shot_exam([[sc[p] for p in g] for g in examined[k]]), sum(sc[p].logprob for p in weighed[k]) / len(plans[k])
+        return shot_exam([[sc[p] for p in g] for g in examined[k]]), sum(sc[p].logprob for p in weighed[k]) / len(
+            plans[k]
+        )
 
     settled = _solo_bound(method, members, prior, main, rate, score, notes, len(weighed[main]))
     if settled is not None:
@@ -224,9 +226,10 @@ def request_weights(
 
 def _solo_bound(method, members, prior, main, rate, score, notes, positions: int) -> list[float] | None:
     """The weights when the main member's own findings settle that it runs alone (`solo_member`),
-    with the others' prompts unscored: a prior that gives it the solo weight, an exam it did not
-    could not fail (no member is EXAM_BEHIND ahead of one within EXAM_BEHIND of 0), and the weight it keeps even against others whose evidence
-    were 0 (a log-probability's maximum; their weights are upper bounds). Else None."""
+    with the others' prompts unscored: a prior that gives it the solo weight, a shot exam within
+    EXAM_BEHIND of 0 (no member's exam, at most 0, can be that far ahead of it), and the weight
+    it keeps even against others whose evidence were 0 (a log-probability's maximum; their
+    weights are upper bounds). Else None."""
     solo = method.solo_weight()
     if solo is None or prior[main] < solo:
         return None

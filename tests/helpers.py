@@ -159,3 +159,7 @@ def wait_healthy(proc, base: str, timeout: float, output) -> str:
 def flat(scores) -> list[float]:
     """score_prompt's PromptScores as one list of numbers (log-prob, gap, ...) for pytest.approx."""
     return [x for s in scores for x in s]
+
+
+# country names in Russian: SmolLM2 (English) is far from writing these answers, Gemma-3 near them
+RUSSIAN = "Q: France\nA: Франция\nQ: Germany\nA: Германия\nQ: Italy\nA: Италия\nQ: Spain\nA: Испания\nQ: Japan\nA:"

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import GEMMA, SMOL
+from helpers import GEMMA, RUSSIAN, SMOL
 
 from ensemble_llm import ConfigError, Ensemble
 from ensemble_llm.bench import load_task, resolve_task
@@ -377,9 +377,6 @@ def test_solo_scores_only_the_main_member_when_no_evidence_could_change_it(tiny_
 
 
 # ---- the shot exam: a member nowhere near writing the shown answers steps aside ----------------------
-RUSSIAN = (
-    "Q: France\nA: Франция\nQ: Germany\nA: Германия\nQ: Italy\nA: Италия\nQ: Spain\nA: Испания\nQ: Japan\nA:"
-)
 
 
 @pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])

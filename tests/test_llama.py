@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from helpers import GEMMA, SMOL, TINY_METHODS
+from helpers import GEMMA, RUSSIAN, SMOL, TINY_METHODS
 
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, KVBudgetError
@@ -364,3 +364,16 @@ def test_a_greedy_request_alone_repeats_with_its_prefix_reused_or_not(method, co
         for m in eng.members:
             m.prefixes.max_bytes = configured_bytes()
     assert off == [runs[0].text] * 2
+
+
+def test_the_default_method_follows_the_member_that_writes_the_shown_answers_on_llama_members():
+    """The shot exam on the GGUF pair (the default method, specfuse): on Russian country names
+    SmolLM2 steps aside and the answer is Gemma-3's own; on English plurals nobody does."""
+    eng = Ensemble([SMOL, GEMMA], progress=False).load()
+    res = eng.generate(RUSSIAN, raw=True, max_new_tokens=8, stop=["\n"])
+    assert res.stats["aside"] == [eng.members[0].name] and res.stats["solo"] == eng.members[1].name
+    alone = Ensemble([GEMMA], progress=False).generate(RUSSIAN, raw=True, max_new_tokens=8, stop=["\n"])
+    assert res.text == alone.text
+    plural = "Q: cat\nA: cats\nQ: dog\nA: dogs\nQ: house\nA: houses\nQ: tree\nA: trees\nQ: car\nA:"
+    r2 = eng.generate(plural, raw=True, max_new_tokens=8, stop=["\n"])
+    assert "aside" not in r2.stats and r2.stats["exam"]["examined"] == 3

@@ -295,9 +295,10 @@ class Member(TokenizerView):
         return ByteLM(self, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
 
     def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]:
-        """log p(ids[p] | ids[:p]) and its gap to the row's best, for each position p >= 1, from the prompt's prefill forward
-        (the logits of those rows and of the last one only). The prefilled state is kept for the
-        next `prefill` of the same ids, so a request that scores its prompt runs it once."""
+        """log p(ids[p] | ids[:p]) and its gap to the row's best, for each position p >= 1, from the
+        prompt's prefill forward (the logits of those rows and of the last one only). The prefilled
+        state is kept for the next `prefill` of the same ids, so a request that scores its prompt
+        runs it once."""
         if not ids:
             raise ValueError("score_prompt() needs at least one token id")
         self._ready_slot(take=True)
