@@ -26,6 +26,27 @@ STUDIES = {
         "The prior alone was chosen as the default (`evidence=0`).",
         ["weights_tune/tune/analysis.md", "weights_tune/dev/analysis.md"],
     ),
+    "floor": (
+        "Following the member that can do the task",
+        "Where one member cannot do a task, does the ensemble follow the one that can? Candidate tasks "
+        "built from public lists (`benchmarks/floor_tasks.py`: English word forms, names of countries and "
+        "languages in other languages and scripts, codes, number words), bare three-shot prompts with "
+        "fixed shots, split by family into tune and outside by a fixed hash before any ensemble ran on "
+        "them, by the single members' scores alone. On the tune half: what the methods did without the "
+        "shot exam, where they lost the better member's answers, and the exam's threshold "
+        "(`benchmarks/exam_rules.py`, from `benchmarks/shot_exam.py`'s figures and the runs). On the "
+        "outside half, scored once with the chosen rule: the floor and lopsided tasks and the tasks "
+        "where both members are competent (`benchmarks/floor_report.py`). What the exam costs a cold "
+        "request: `benchmarks/exam_cost.py`.",
+        [
+            "floor_tasks/split.md",
+            "floor_tune/report.md",
+            "floor_tune/rules.md",
+            "floor_outside/report.md",
+            "floor_outside_competent/report.md",
+            "exam_cost/results.md",
+        ],
+    ),
     "outside": (
         "The outside half",
         "The final candidates, scored once on the frozen outside half of the BIG-bench split (17 tasks "

@@ -83,23 +83,32 @@ def main() -> None:
     runs = load_runs(args.runs)
     result = {f"behind={b:g}": apply(b, exams, runs) for b in BEHIND}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(table(result))
     print(table(result))
 
 
 def table(result: dict) -> str:
-    """Pooled right answers per threshold and method, and requests fired on."""
-    lines = []
+    """Pooled right answers per threshold and method, requests fired on, and per task."""
+    first = next(iter(result.values()))
+    methods = [k for k in next(iter(first.values())) if k not in ("examples", "single", "fired")]
+    best = max(sum(f["single"][i] for f in first.values()) for i in range(2))
+    router = sum(max(f["single"]) for f in first.values())
+    named = ", ".join(f"{t} ({f['examples']})" for t, f in first.items())
+    lines = [
+        "# Shot-exam thresholds on the tune data",
+        "",
+        f"Tasks: {named}. Best member pooled {best}, "
+        f"per-task router {router}. `behind`: nats per examined answer (1e+09: the exam off).",
+        "",
+        "| behind | requests fired | " + " | ".join(methods) + " | " + " | ".join(f"{t} fired" for t in first) + " |",
+        "|---|---|" + "---|" * (len(methods) + len(first)),
+    ]
     for rule, tasks in result.items():
-        methods = [k for k in next(iter(tasks.values())) if k not in ("examples", "single", "fired")]
-        pooled = {k: sum(f[k] for f in tasks.values()) for k in methods}
-        best = max(sum(f["single"][i] for f in tasks.values()) for i in range(2))
-        router = sum(max(f["single"]) for f in tasks.values())
+        pooled = [str(sum(f[k] for f in tasks.values())) for k in methods]
         fired = sum(f["fired"] for f in tasks.values())
-        lines.append(
-            f"{rule:14s} fired {fired:4d}  best {best} router {router}  "
-            + "  ".join(f"{k} {v}" for k, v in pooled.items())
-        )
-    return "\n".join(lines)
+        per = [str(f["fired"]) for f in tasks.values()]
+        lines.append(f"| {rule.split('=')[1]} | {fired} | " + " | ".join(pooled) + " | " + " | ".join(per) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -326,6 +326,26 @@ def read_scores(folder: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+def split_markdown(record: dict) -> str:
+    """The split as a table: each task's half, family, the members' single accuracy and its class."""
+    lines = [
+        "# The floor tasks' split",
+        "",
+        f"Floor: one member at most {FLOOR:.0%}, another at least {ABLE:.0%}; lopsided: the worse at most "
+        f"{LOPSIDED[0]:.0%}, the better at least {LOPSIDED[1]:.0%} and {LOPSIDED[2]:g} times the worse; "
+        "both competent: both at least 20%. Fixed shots, 100 examples (fewer where the list is shorter).",
+        "",
+        "| half | task | family | " + " | ".join(next(iter(record["single_accuracy"].values()))) + " | class |",
+        "|---|---|---|---|---|---|",
+    ]
+    for h in ("tune", "outside"):
+        for t in record[h]["all"]:
+            kind = next((k for k in ("floor", "lopsided", "both_competent") if t in record[h][k]), "")
+            acc = " | ".join(f"{v:.0%}" for v in record["single_accuracy"][t].values())
+            lines.append(f"| {h} | {t} | {CANDIDATES[t][0]} | {acc} | {kind.replace('_', ' ')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -340,6 +360,7 @@ def main() -> None:
     record = choose(read_scores(args.scores))
     SPLIT.parent.mkdir(parents=True, exist_ok=True)
     SPLIT.write_text(json.dumps(record, indent=1) + "\n")
+    SPLIT.with_suffix(".md").write_text(split_markdown(record))
     print(
         json.dumps({h: {k: record[h][k] for k in ("floor", "lopsided", "both_competent")} for h in ("tune", "outside")})
     )

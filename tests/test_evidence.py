@@ -143,7 +143,7 @@ def test_auto_weights_follow_the_prompt_and_cost_no_forward(tiny_dirs, method):
     assert "evidence" not in r2.stats and list(r2.stats["member_weights"].values()) == [0.25, 0.75]
     # a chat prompt without assistant turns shows no answer: the calibrated chat weights
     r3 = eng.generate("What is the capital of Peru?", max_new_tokens=4)
-    assert "evidence" not in r3.stats
+    assert "evidence" not in r3.stats and "exam" not in r3.stats  # zero-shot chat: nothing to examine
     assert list(r3.stats["member_weights"].values()) == pytest.approx(eng.member_weights("chat")[0], abs=1e-4)
     # the default (evidence 0): the calibrated prior, and no answer scored
     default = Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method=method).load()
