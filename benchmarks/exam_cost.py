@@ -51,6 +51,26 @@ def run_child(method: str, exam: bool, tasks: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def markdown(record: dict) -> str:
+    lines = [
+        "# What the shot exam costs a request",
+        "",
+        f"`{record['command']}`: each configuration a fresh process; the first request after loading is "
+        "cold (its prompt runs whole), the next ones warm. Ratios: exam on over off, median of the rounds.",
+        "",
+        "| method | cold, on/off | warm, on/off | cold seconds off, on (per round) | requests run alone (on) |",
+        "|---|---|---|---|---|",
+    ]
+    for m, r in record["methods"].items():
+        pairs = ", ".join(f"{x['off']['cold_s']:.2f}/{x['on']['cold_s']:.2f}" for x in r["rounds"])
+        fired = sum(x["on"]["fired"] for x in r["rounds"])
+        total = sum(x["on"]["requests"] for x in r["rounds"])
+        lines.append(
+            f"| {m} | {r['cold_ratio_median']:.3f} | {r['warm_ratio_median']:.3f} | {pairs} | {fired} of {total} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tasks", nargs="+", required=True, help="task files with drawn shots (bigbench_split layout)")
@@ -79,6 +99,7 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+        (args.out / "results.md").write_text(markdown(record))
     print(json.dumps({m: {k: v for k, v in r.items() if k != "rounds"} for m, r in results.items()}, indent=1))
 
 
