@@ -37,7 +37,10 @@ STUDIES = {
         "(`benchmarks/exam_rules.py`, from `benchmarks/shot_exam.py`'s figures and the runs). On the "
         "outside half, scored once with the chosen rule: the floor and lopsided tasks and the tasks "
         "where both members are competent (`benchmarks/floor_report.py`). What the exam costs a cold "
-        "request: `benchmarks/exam_cost.py`.",
+        "request: `benchmarks/exam_cost.py`. What it found: the exam follows the member that can write the "
+        "task's script or form where the shots show it (country_ru, language_fr outside; capital_of on "
+        "the tune half), and does not see copy and content failures the shots do not show "
+        "(country_demonym, emoji_name), where the methods stay near halfway between the members.",
         [
             "floor_tasks/split.md",
             "floor_tune/report.md",
