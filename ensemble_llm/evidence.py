@@ -197,9 +197,8 @@ def request_weights(
             want = sorted({p for g in examined[k] for p in g} | set(weighed[k]))
             scored[k] = dict(zip(want, members[k].score_prompt(prompt_ids[k], want)))
         sc = scored[k]
-        return shot_exam([[sc[p] for p in g] for g in examined[k]]), sum(sc[p].logprob for p in weighed[k]) / len(
-            plans[k]
-        )
+        evidence = sum(sc[p].logprob for p in weighed[k]) / len(plans[k])
+        return shot_exam([[sc[p] for p in g] for g in examined[k]]), evidence
 
     settled = _solo_bound(method, members, prior, main, rate, score, notes, len(weighed[main]))
     if settled is not None:
@@ -245,9 +244,11 @@ def _solo_bound(method, members, prior, main, rate, score, notes, positions: int
     return bound
 
 
-def solo_member(method, prior: Sequence[float], weights: Sequence[float], main: int, notes=None) -> int | None:
+def solo_member(
+    method, prior: Sequence[float], weights: Sequence[float], main: int, aside: Sequence[int] = ()
+) -> int | None:
     """The member this request runs alone, or None to ensemble. With weights="auto": the one
-    member the shot exam left (`notes["aside"]` holds all the others), or, with the method's
+    member the shot exam left (`aside` holds all the others), or, with the method's
     `solo` weight s, the main member when the calibrated prior and this request's weights both
     give it at least s. Then the others together hold at most 1 - s everywhere, and every method
     would follow that member's text almost token for token at the cost of every member's
@@ -256,9 +257,8 @@ def solo_member(method, prior: Sequence[float], weights: Sequence[float], main: 
     one request's evidence alone is three shots."""
     if not _auto(method) or len(weights) < 2:
         return None
-    aside = (notes or {}).get("aside") or []
     if len(aside) == len(weights) - 1:
-        return max(range(len(weights)), key=lambda i: weights[i])
+        return next(k for k in range(len(weights)) if k not in aside)
     s = method.solo_weight()
     if s is None:
         return None

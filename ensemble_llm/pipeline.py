@@ -128,7 +128,7 @@ def run_method(
     method's `solo` weight runs that member alone (`evidence.solo_member`; stats["solo"])."""
     req, notes = make_request(method, members, job, texts, stops, weights, main)
     planned, planned_ids = members, req.prompt_ids
-    solo = solo_member(method, weights, req.weights, req.main, notes)
+    solo = solo_member(method, weights, req.weights, req.main, req.aside)
     if solo is not None:  # one member holds the prior and the evidence: it runs alone
         method = Single(members, SingleConfig(member=solo))
         notes["solo"] = members[solo].name

@@ -282,6 +282,10 @@ def test_solo_member_needs_auto_weights_and_both_prior_and_evidence(method):
     assert solo_member(m, [0.02, 0.01, 0.97], [0.0, 0.05, 0.95], 2) == 2
     off = cls([], cls.make_config({"solo": None}))
     assert solo_member(off, [0.999, 0.001], [0.999, 0.001], 0) is None
+    # the shot exam: the one member it leaves runs alone, whatever the weights and the solo setting
+    assert solo_member(m, [0.6, 0.4], [0.6, 0.4], 0, aside=[0]) == 1
+    assert solo_member(off, [0.6, 0.4], [0.6, 0.4], 0, aside=[1]) == 0
+    assert solo_member(m, [0.4, 0.3, 0.3], [0.4, 0.3, 0.3], 0, aside=[2]) is None  # two left: the ensemble
     fixed = cls([], cls.make_config({"solo": 0.9, "weights": [0.999, 0.001]}))
     assert solo_member(fixed, [0.999, 0.001], [0.999, 0.001], 0) is None  # given weights: always the ensemble
     assert cls.make_config(None).solo == 0.99
