@@ -40,7 +40,7 @@ def evidence(member, text: str) -> tuple[float | None, int]:
         return None, len(spans)
     scores = member.score_prompt(ids, positions)
     member.forget_prompt(ids)
-    return float(sum(scores)) / len(spans), len(spans)
+    return float(sum(s.logprob for s in scores)) / len(spans), len(spans)
 
 
 def candidate_score(member, prompt: str, text: str) -> tuple[float, int]:

@@ -27,7 +27,7 @@ def evidence(eng: Ensemble, task: str) -> tuple[list[float], int, int]:
     out = []
     for m in eng.members:
         ids = m.prompt_ids(prompt)
-        out.append(sum(m.score_prompt(ids, answer_positions(m, prompt, ids, spans))))
+        out.append(sum(s.logprob for s in m.score_prompt(ids, answer_positions(m, prompt, ids, spans))))
     return out, len(spans), sum(b - a for a, b in spans)
 
 

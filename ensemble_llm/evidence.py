@@ -91,22 +91,28 @@ def chat_spans(text: str, answers: Sequence[str]) -> list[tuple[int, int]]:
 
 def span_positions(ends: Sequence[int], spans: Sequence[tuple[int, int]], offset: int) -> list[int]:
     """Token positions (in the prompt ids, `offset` tokens of BOS before the text's tokens) of the
-    tokens that end inside a span: `ends[j]` is the byte where text token j ends."""
+    tokens that end inside a span: `ends[j]` is the byte where text token j ends (the last
+    MAX_POSITIONS of them)."""
+    return _ending_inside(ends, spans, offset)[-MAX_POSITIONS:]
+
+
+def _ending_inside(ends: Sequence[int], spans: Sequence[tuple[int, int]], offset: int) -> list[int]:
     out, starts = [], [0] + list(ends[:-1])
     for j, (s, e) in enumerate(zip(starts, ends)):
         if any(b0 < e <= b1 and s < b1 for b0, b1 in spans):
             out.append(j + offset)
-    return [p for p in out if p >= 1][-MAX_POSITIONS:]
+    return [p for p in out if p >= 1]
 
 
 def span_groups(member, text: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[list[int]]:
-    """Per span, the positions in `ids` of the tokens that end inside it (as `answer_positions`,
-    span by span, no cap); [] when the ids are not the text's canonical tokens after a BOS."""
+    """Per span, the positions in `ids` (member's prompt ids for `text`: its BOS, then the text's
+    tokens) of the tokens that end inside it, uncapped; [] when there is no span or the ids are
+    not the text's canonical tokens after a BOS (then nothing can be read from this prompt)."""
     toks, ends = member.encode_with_offsets(text)
     offset = len(ids) - len(toks)
     if not spans or offset < 0 or list(ids[offset:]) != toks:
         return []
-    return [[p for p in span_positions(ends, [s], offset)] for s in spans]
+    return [_ending_inside(ends, [s], offset) for s in spans]
 
 
 def shot_exam(scores: Sequence[Sequence[PromptScore]]) -> float:
@@ -122,14 +128,9 @@ def exam_aside(gaps: Sequence[float], behind: float = EXAM_BEHIND) -> list[int]:
 
 
 def answer_positions(member, text: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[int]:
-    """The positions in `ids` (member's prompt ids for `text`: its BOS, then the text's tokens)
-    of the tokens that end inside `spans`; [] when there is no span or the ids are not the text's
-    canonical tokens after a BOS (then the evidence cannot be read from this prompt)."""
-    toks, ends = member.encode_with_offsets(text)
-    offset = len(ids) - len(toks)
-    if not spans or offset < 0 or list(ids[offset:]) != toks:
-        return []
-    return span_positions(ends, spans, offset)
+    """The positions in `ids` of the tokens that end inside any of `spans` (`span_groups`, joined),
+    the last MAX_POSITIONS of them; [] when the prompt cannot be read (see `span_groups`)."""
+    return sorted({p for g in span_groups(member, text, ids, spans) for p in g})[-MAX_POSITIONS:]
 
 
 def posterior(prior: Sequence[float], evidence: Sequence[float], temperature: float = 1.0) -> list[float]:
@@ -166,6 +167,24 @@ def _plans(members, prompt, raw: bool, texts: list[str], prompt_ids: list[list[i
     return plans if len({len(g) for g in plans}) == 1 else []
 
 
+def _examined(plans: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Per member, the shown answers the exam reads, the same ones for every member: after the
+    first (it comes before any shot), the last EXAM_ANSWERS whose tokens fit MAX_POSITIONS in
+    every member's prompt (each scored row costs an output layer: long assistant turns in a chat
+    would otherwise cost more than the request)."""
+
+    def fitting(groups: list[list[int]]) -> int:
+        n, rows = 0, 0
+        for g in reversed(groups[1:][-EXAM_ANSWERS:]):
+            if rows + len(g) > MAX_POSITIONS:
+                break
+            n, rows = n + 1, rows + len(g)
+        return n
+
+    n = min(fitting(g) for g in plans)
+    return [g[len(g) - n :] if n else [] for g in plans]
+
+
 def request_weights(
     method,
     members: Sequence[Any],
@@ -176,19 +195,20 @@ def request_weights(
     prior: list[float],
     main: int,
     notes: dict[str, Any],
-) -> tuple[list[float], int]:
-    """With weights="auto", this request's member weights and main member: the prior with the
+) -> tuple[list[float], int, tuple[int, ...]]:
+    """With weights="auto", this request's member weights, main member and the members the shot
+    exam stepped aside: the prior with the
     members that fail the shot exam stepped aside (their weight FLOOR, `exam_aside`), then moved
     by how well each member explains the shown answers (rate `evidence`), both read from the
     prompt's own prefill (`TokenLM.score_prompt`). Other weight settings, one member, a prompt
     that shows no answer: the given weights and main member, unchanged. Findings go into `notes`."""
     rate, exam = method.evidence_rate(), method.exam_on()
     if not _auto(method) or len(members) < 2 or method.name == "single" or (rate == 0 and not exam):
-        return prior, main
+        return prior, main, ()
     plans = _plans(members, prompt, raw, texts, prompt_ids)
     if not plans:
-        return prior, main
-    examined = [g[1:][-EXAM_ANSWERS:] if exam else [] for g in plans]  # the first answer comes before any shot
+        return prior, main, ()
+    examined = _examined(plans) if exam else [[] for _ in plans]
     weighed = [[p for g in groups for p in g][-MAX_POSITIONS:] if rate else [] for groups in plans]
     scored: list[dict | None] = [None] * len(members)
 
@@ -202,9 +222,9 @@ def request_weights(
 
     settled = _solo_bound(method, members, prior, main, rate, score, notes, len(weighed[main]))
     if settled is not None:
-        return settled, main
+        return settled, main, ()
     found = [score(k) for k in range(len(members))]
-    weights = list(prior)
+    weights, aside = list(prior), []
     if exam:
         aside = exam_aside([p for p, _ in found])
         notes["exam"] = {m.name: round(g, 3) for m, (g, _) in zip(members, found)} | {"examined": len(examined[0])}
@@ -216,11 +236,11 @@ def request_weights(
         notes["evidence"] = {m.name: round(e, 3) for m, (_, e) in zip(members, found)}
         notes["evidence_positions"] = {m.name: len(w) for m, w in zip(members, weighed)}
     if weights == list(prior):
-        return prior, main
+        return prior, main, ()
     weights = [x / sum(weights) for x in weights]
     given_main = method.main_member()
     main = given_main if given_main is not None else max(range(len(members)), key=lambda i: (weights[i], -i))
-    return weights, main
+    return weights, main, tuple(aside)
 
 
 def _solo_bound(method, members, prior, main, rate, score, notes, positions: int) -> list[float] | None:

@@ -90,7 +90,7 @@ def make_request(
         room.append(m.context_window - len(ids))
     notes: dict[str, Any] = {}
     prior = list(weights)
-    weights, main = request_weights(method, members, job.prompt, p.raw, texts, prompt_ids, weights, main, notes)
+    weights, main, aside = request_weights(method, members, job.prompt, p.raw, texts, prompt_ids, weights, main, notes)
     generator = torch.Generator()
     generator.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
     req = Request(
@@ -103,7 +103,7 @@ def make_request(
         weights=weights,
         prior=prior,
         main=main,
-        aside=tuple(k for k, m in enumerate(members) if m.name in notes.get("aside", ())),
+        aside=aside,
         guide=Guide(p.constraint, members) if p.constraint else None,
         trace=[] if p.trace else None,
     )

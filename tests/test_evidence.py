@@ -349,7 +349,7 @@ def test_solo_scores_only_the_main_member_when_no_evidence_could_change_it(tiny_
     def weights(prior, solo):
         before = [m.counters()[2] for m in members]
         notes = {}
-        w, main = request_weights(
+        w, main, _ = request_weights(
             unite(members, unite.make_config({"solo": solo, "evidence": 1, "exam": False})),
             members,
             FEW_SHOT,
@@ -406,3 +406,17 @@ def test_a_member_far_behind_on_the_shot_exam_steps_aside(real_dirs, plural_prom
     assert "exam" not in r2.stats and "solo" not in r2.stats
     with pytest.raises(ConfigError, match="exam must be True or False"):
         Ensemble([smol, gemma], method=method, config={"exam": "yes"})
+
+
+def test_the_exam_reads_the_same_last_answers_for_every_member_within_the_row_bound():
+    from ensemble_llm.evidence import EXAM_ANSWERS, MAX_POSITIONS, _examined
+
+    short = [[[1]], [[2, 3]], [[4]], [[5, 6]]]
+    assert _examined([[g[0] for g in short]] * 2) == [[[2, 3], [4], [5, 6]]] * 2  # not the first
+    many = [[k] for k in range(EXAM_ANSWERS + 5)]
+    assert _examined([many])[0] == many[-EXAM_ANSWERS:]
+    long_turn = list(range(MAX_POSITIONS - 1))  # one member's last answer fills the bound alone
+    a = [[0], [1, 2], long_turn]
+    b = [[0], [1], [2]]
+    assert _examined([a, b]) == [[long_turn], [[2]]]  # the same answers for both: the last one
+    assert _examined([[[0], list(range(MAX_POSITIONS + 1))], b[:2]]) == [[], []]  # too long: none

@@ -463,7 +463,7 @@ class LlamaExecutor:
             row_of = {q: i for i, q in enumerate(reads)}
             for q in run:
                 row = rows[row_of[q - 1]]
-                scores[q] = prompt_score(row - torch.logsumexp(row, dim=-1), ids[q])
+                scores[q] = prompt_score(row, ids[q], float(torch.logsumexp(row, dim=-1)))
             self._store(state, scores)
             call.result = state.next_logprobs[None] if call.positions is None else [scores[q] for q in call.positions]
 

@@ -26,10 +26,11 @@ class PromptScore(NamedTuple):
     gap: float
 
 
-def prompt_score(logprobs: torch.Tensor, token: int) -> PromptScore:
-    """The PromptScore of `token` from one row of log-probs [V]."""
-    lp = float(logprobs[token])
-    return PromptScore(lp, lp - float(logprobs.max()))
+def prompt_score(row: torch.Tensor, token: int, normalizer: float = 0.0) -> PromptScore:
+    """The PromptScore of `token` from one row [V]: log-probs, or logits with their logsumexp as
+    `normalizer` (the row is not copied to normalise it)."""
+    x = float(row[token])
+    return PromptScore(x - normalizer, x - float(row.max()))
 
 
 @runtime_checkable
