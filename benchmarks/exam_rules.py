@@ -1,17 +1,22 @@
-"""What each shot-exam threshold would have done, from runs already made (issue 60's tuning).
+"""What each shot-exam threshold, with and without the copy test, would have done, from runs
+already made (issue 60's tuning).
 
 The exam (evidence.py) of a member: the mean over the examined shown answers (the second on) of
 the sum of their tokens' gaps to the member's best token; a member `behind` nats or more below
-another's steps aside. A request with a member aside runs the other alone, so its answer is that
-member's own greedy answer (the bench's single run of the same prompt); any other request keeps
-the ensemble's answer (the run with the exam off). Greedy decoding repeats (issue 59), so this is
-what the engine does with the rule on, without running it again.
+another's steps aside; with the copy test, so does a member left whose greedy reply is the
+query's question where another member's is not (`evidence.copy_aside`). A request with a member
+aside runs the other alone, so its answer is that member's own greedy answer (the bench's single
+run of the same prompt); any other request keeps the ensemble's answer (the run with the exam
+off). Greedy decoding repeats (issue 59), so this is what the engine does with the rule on,
+without running it again.
 
     python benchmarks/exam_rules.py --exam E.jsonl [E2.jsonl ...] --runs DIR [DIR ...] --out R.json
 
 E: benchmarks/shot_exam.py's findings; DIR: folders of `ensemble-llm bench` runs (one task each,
-with the single members and the methods run with exam=false). Fixed shots: one exam per task
-(every example shows the same answers), so one line of E per task stands for all its examples.
+as DIR/TASK/results.json or as the committed DIR/TASK.json,
+with the single members and the methods run with exam=false, or with the exam on at a threshold
+asked for, whose own requests aside are then the rule's). Fixed shots: every example shows the
+same answers, so a task's one line of E can stand for all its examples' exam (not their copy test).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from ensemble_llm.evidence import copy_aside
 
 BEHIND = (2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 1e9)  # 1e9: the exam off
 
@@ -28,24 +35,27 @@ def exam_of(member: list[dict]) -> float:
     return sum(a["gap"] for a in examined) / max(1, len(examined))
 
 
-def aside(exam: list[list[dict]], behind: float) -> list[int]:
-    """The members this threshold steps aside for one request."""
-    gaps = [exam_of(m) for m in exam]
-    return [k for k, g in enumerate(gaps) if max(gaps) - g >= behind]
+def aside(row: dict, behind: float, copy: bool) -> list[int]:
+    """The members this rule steps aside for one request."""
+    gaps = [exam_of(m) for m in row["exam"]]
+    gone = [k for k, g in enumerate(gaps) if max(gaps) - g >= behind]
+    if copy and row.get("copy"):
+        gone = sorted(set(gone) | set(copy_aside(row["copy"], gone)))
+    return gone
 
 
 def load_runs(folders: list[Path]) -> dict[str, dict]:
     """task -> {"hits": {label: [0/1]}, "models": [...]} from bench result folders."""
     out = {}
     for folder in folders:
-        for res in sorted(folder.glob("*/results.json")):
+        for res in sorted(folder.glob("*/results.json")) + sorted(folder.glob("*.json")):
             r = json.loads(res.read_text())
             for task, hits in r["hits"].items():
                 out[task] = {"hits": hits, "models": r["models"]}
     return out
 
 
-def apply(behind: float, exams: dict, runs: dict) -> dict:
+def apply(behind: float, copy: bool, exams: dict, runs: dict) -> dict:
     """Per task and method: right answers with the rule on, and how many requests it fired on."""
     out = {}
     for task, run in runs.items():
@@ -56,15 +66,18 @@ def apply(behind: float, exams: dict, runs: dict) -> dict:
         singles = [hits[f"single-{k}"] for k in range(len(run["models"]))]
         methods = [label for label in hits if not label.startswith("single")]
         n = len(singles[0]) if len(rows) == 1 else min(len(singles[0]), len(rows))
-        fig = {"examples": n, "single": [sum(s[:n]) for s in singles], "fired": 0}
+        fig = {"examples": n, "single": [sum(s[:n]) for s in singles], "fired": 0, "kept": {}}
+        better = max(range(len(singles)), key=lambda k: sum(singles[k][:n]))
         for label in methods:
-            fig[label] = 0
+            fig[label] = fig["kept"][label] = 0
         for i in range(n):
-            gone = aside(rows[i if len(rows) > 1 else 0]["exam"], behind)
+            gone = aside(rows[i if len(rows) > 1 else 0], behind, copy)
             stay = [k for k in range(len(singles)) if k not in gone]
             fig["fired"] += bool(gone)
             for label in methods:
-                fig[label] += singles[stay[0]][i] if len(stay) == 1 else hits[label][i]
+                right = singles[stay[0]][i] if len(stay) == 1 else hits[label][i]
+                fig[label] += right
+                fig["kept"][label] += right and singles[better][i]
         out[task] = fig
     return out
 
@@ -81,7 +94,9 @@ def main() -> None:
             row = json.loads(line)
             exams.setdefault(row["task"], []).append(row)
     runs = load_runs(args.runs)
-    result = {f"behind={b:g}": apply(b, exams, runs) for b in BEHIND}
+    result = {
+        f"behind={b:g}{'+copy' if copy else ''}": apply(b, copy, exams, runs) for b in BEHIND for copy in (False, True)
+    }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(table(result))
     print(table(result))
@@ -90,17 +105,20 @@ def main() -> None:
 def table(result: dict) -> str:
     """Pooled right answers per threshold and method, requests fired on, and per task."""
     first = next(iter(result.values()))
-    methods = [k for k in next(iter(first.values())) if k not in ("examples", "single", "fired")]
+    every = [k for f in first.values() for k in f if k not in ("examples", "single", "fired", "kept")]
+    every = list(dict.fromkeys(every))
+    methods = [k for k in every if all(k in f for f in first.values())]  # pooled: the methods run on every task
     best = max(sum(f["single"][i] for f in first.values()) for i in range(2))
     router = sum(max(f["single"]) for f in first.values())
     named = ", ".join(f"{t} ({f['examples']})" for t, f in first.items())
     lines = [
-        "# Shot-exam thresholds on the tune data",
+        "# Shot-exam thresholds and the copy test",
         "",
         f"Tasks: {named}. Best member pooled {best}, "
-        f"per-task router {router}. `behind`: nats per examined answer (1e+09: the exam off).",
+        f"per-task router {router}. `behind`: nats per examined answer (1e+09: the exam off); "
+        "+copy: with the copy test.",
         "",
-        "| behind | requests fired | " + " | ".join(methods) + " | " + " | ".join(f"{t} fired" for t in first) + " |",
+        "| rule | requests fired | " + " | ".join(methods) + " | " + " | ".join(f"{t} fired" for t in first) + " |",
         "|---|---|" + "---|" * (len(methods) + len(first)),
     ]
     for rule, tasks in result.items():
@@ -108,6 +126,16 @@ def table(result: dict) -> str:
         fired = sum(f["fired"] for f in tasks.values())
         per = [str(f["fired"]) for f in tasks.values()]
         lines.append(f"| {rule.split('=')[1]} | {fired} | " + " | ".join(pooled) + " | " + " | ".join(per) + " |")
+    lines += ["", "Right answers per task, and of the better member's right answers how many each keeps:", ""]
+    lines += ["| rule | task | members | " + " | ".join(every) + " |", "|---|---|---|" + "---|" * len(every)]
+    for rule, tasks in result.items():
+        if not rule.startswith(("behind=3", "behind=1e+09")):
+            continue
+        for t, f in tasks.items():
+            best = max(f["single"])
+            cells = [f"{f[k]} ({f['kept'][k]}/{best})" if k in f else "" for k in every]
+            name = f"| {rule.split('=')[1]} | {t} | {'/'.join(map(str, f['single']))} | "
+            lines.append(name + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -218,6 +218,28 @@ def _element_numbers() -> list[tuple[str, str]]:
     return [(str(e.number), e.name.capitalize()) for e in periodictable.elements if e.number > 0]
 
 
+def _ordinal_suffix() -> list[tuple[str, str]]:
+    import inflect
+
+    eng = inflect.engine()
+    return [(str(n), eng.ordinal(n)) for n in random.Random("ordinal_suffix").sample(range(1, 1000), 160)]
+
+
+def _adverbs() -> list[tuple[str, str]]:
+    """(adjective, its adverb in -ly) where both are frequent English words."""
+    from lemminflect import getAllLemmas
+    from wordfreq import top_n_list
+
+    words = top_n_list("en", WORDS)
+    known = set(words)
+    out = []
+    for w in words:
+        adv = w[:-1] + "ily" if w.endswith("y") else (w[:-2] + "ly" if w.endswith("le") else w + "ly")
+        if w.isalpha() and w.islower() and len(w) > 3 and adv in known and getAllLemmas(w).get("ADJ") == (w,):
+            out.append((w, adv))
+    return out
+
+
 # task -> (family, the pairs); a family's siblings always land in the same half
 CANDIDATES = {
     "en_past_participle": ("en_verb_forms", lambda: _english("VERB", "VBN")),
@@ -261,6 +283,13 @@ CANDIDATES = {
     "symbol_element": ("element_symbol", lambda: [(b, a) for a, b in _elements()]),
     "country_language": ("country_facts", _country_language),
     "country_currency": ("country_facts", _country_currency),
+    # added after the first split (ADDED_LATER)
+    "en_third_person": ("en_verb_forms", lambda: _english("VERB", "VBZ")),
+    "en_regular_past": ("en_verb_forms", lambda: _english("VERB", "VBD", lambda w, f: f.endswith("ed"))),
+    "en_plural": ("en_singular", lambda: _english("NOUN", "NNS")),
+    "ordinal_suffix": ("ordinals", _ordinal_suffix),
+    "demonym_country": ("country_facts", lambda: [(b, a) for a, b in _country_field("demonym")]),
+    "en_adverb": ("en_adverb", _adverbs),
     # names in other scripts: one family per language (its countries and its languages together)
     **{
         f"{kind}_{lang}": (
@@ -271,6 +300,11 @@ CANDIDATES = {
         for kind in ("country", "language")
     },
 }
+# scored and split after the first split was committed (its tasks keep their halves): the outside
+# ones are floor tasks no rule was tuned on
+ADDED_LATER = frozenset(
+    {"en_third_person", "en_regular_past", "en_plural", "ordinal_suffix", "demonym_country", "en_adverb"}
+)
 
 
 def build(out: Path) -> None:
@@ -297,6 +331,7 @@ def choose(scores: dict[str, dict[str, float]]) -> dict:
     record: dict = {
         "rule": {"floor": FLOOR, "able": ABLE, "split": "bigbench_split.digest(family) % 2: 0 tune, 1 outside"},
         "single_accuracy": {t: scores[t] for t in names},
+        "added_later": [t for t in names if t in ADDED_LATER],
     }
     for h in ("tune", "outside"):
         mine = [t for t in names if half[CANDIDATES[t][0]] == h]
@@ -316,13 +351,15 @@ def _lopsided(s: dict[str, float]) -> bool:
     return worse <= low and better >= high and better >= ratio * worse
 
 
-def read_scores(folder: Path) -> dict[str, dict[str, float]]:
-    """{task: {member: accuracy}} from `ensemble-llm bench --methods single` runs, one folder per task."""
+def read_scores(folders: list[Path]) -> dict[str, dict[str, float]]:
+    """{task: {member: accuracy}} from `ensemble-llm bench --methods single` runs, one folder per
+    task (TASK/results.json) or the committed TASK.json files."""
     out = {}
-    for res in sorted(folder.glob("*/results.json")):
-        r = json.loads(res.read_text())
-        hits = next(iter(r["hits"].values()))
-        out[res.parent.name] = {r["models"][int(k.split("-")[1])]: round(sum(v) / len(v), 3) for k, v in hits.items()}
+    for folder in folders:
+        for res in sorted(folder.glob("*/results.json")) + sorted(folder.glob("*.json")):
+            r = json.loads(res.read_text())
+            task, hits = next(iter(r["hits"].items()))
+            out[task] = {r["models"][int(k.split("-")[1])]: round(sum(v) / len(v), 3) for k, v in hits.items()}
     return out
 
 
@@ -352,7 +389,7 @@ def main() -> None:
     b = sub.add_parser("build")
     b.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("choose")
-    c.add_argument("--scores", type=Path, required=True, help="a folder of single-member bench runs, one per task")
+    c.add_argument("--scores", type=Path, nargs="+", required=True, help="folders of single-member bench runs")
     args = ap.parse_args()
     if args.cmd == "build":
         build(args.out)

@@ -1,9 +1,11 @@
 """The shot exam's findings per example (evidence.py): for each member and each answer the prompt
 shows, how far the member is from writing it greedily given what comes before it, read from the
-prompt's prefill as the engine reads it (`score_prompt`'s gaps). The first shown answer is recorded too,
-though the engine does not examine it. Joined with the bench's per-example hits, this tells what
-a rule would have done without running the ensemble again (a request a rule sends to one member
-gets that member's own greedy answer, which the bench's single runs hold).
+prompt's prefill as the engine reads it (`score_prompt`'s gaps). The first shown answer is
+recorded too, though the engine does not examine it; and the copy test: whether each member's
+greedy reply to the query is the query's question itself (`query_copy`; null where the prompt has
+none). Joined with the bench's per-example hits, this tells what a rule would have done without
+running the ensemble again (a request a rule sends to one member gets that member's own greedy
+answer, which the bench's single runs hold).
 
     python benchmarks/shot_exam.py --tasks /tmp/floor/capital_of.jsonl:100 --shots fixed --out R.jsonl
 """
@@ -19,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ensemble_llm import Ensemble  # noqa: E402
 from ensemble_llm.bench import resolve_tasks, task_prompts  # noqa: E402
-from ensemble_llm.evidence import answer_spans, span_groups  # noqa: E402
+from ensemble_llm.evidence import COPY_TIE, answer_spans, copy_ids, span_groups  # noqa: E402
 
 PAIR = ("smollm2-135m-instruct", "gemma-3-270m")
 
@@ -36,6 +38,20 @@ def exam(member, prompt: str) -> list[dict]:
     return [{"gap": round(sum(got[p].gap for p in g), 4)} for g in groups]
 
 
+def copies(members, prompt: str) -> list[bool] | None:
+    """Per member: whether it writes the copy of the query's question greedily (as the engine tests it)."""
+    ids = [m.prompt_ids(prompt) for m in members]
+    ext = copy_ids(members, [prompt] * len(members), ids, True)
+    if ext is None:
+        return None
+    out = []
+    for m, a, b in zip(members, ids, ext):
+        tail = list(range(len(a), len(b)))
+        out.append(all(s.gap >= -COPY_TIE for s in m.score_prompt(b, tail)))
+        m.forget_prompt(b)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tasks", nargs="+", required=True)
@@ -48,6 +64,7 @@ def main() -> None:
             task = path.stem.removesuffix("_dev")
             for i, (prompt, _) in enumerate(task_prompts(path, n, args.shots)):
                 row = {"task": task, "shots": args.shots, "i": i, "exam": [exam(m, prompt) for m in members]}
+                row["copy"] = copies(members, prompt)
                 f.write(json.dumps(row) + "\n")
             print(task, flush=True)
 

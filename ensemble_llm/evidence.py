@@ -39,6 +39,13 @@ form on every shot): it steps aside (`exam_aside`), and with one member left tha
 alone. Only a wide gap acts: which member explains the shots a little better says little about
 which is right next (routing by it chose the worse member on factual tasks), while a member that
 is nowhere near writing any of them is at the floor.
+
+The copy test, part of the exam (raw few-shot prompts): a member can follow every shown answer
+and still answer the query with its question (a demonym task's "France" for "French": the shown
+answers begin with their questions). Where no shown answer is its own question, that reply
+contradicts the shots: the member whose greedy reply is the question itself (`query_copy`, scored
+after the prompt in the same prefill, its tokens' gaps all 0) steps aside, if another member's is
+not (`copy_aside`; where every member copies, it says nothing).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ MAX_POSITIONS = 96  # scored positions per member and request (the last answers 
 FLOOR = 1e-3  # the smallest weight a member keeps
 EXAM_ANSWERS = 8  # shown answers examined per request (the last ones)
 EXAM_BEHIND = 3.0  # nats per examined answer behind the best member: it steps aside (benchmarks/exam_rules.py)
+COPY_TIE = 1e-4  # a copy token this close to the row's best counts as the member's greedy choice
 
 
 def answer_spans(text: str) -> list[tuple[int, int]]:
@@ -71,6 +79,41 @@ def answer_spans(text: str) -> list[tuple[int, int]]:
             spans.append((pos + len(lab), end))
         pos = end
     return spans
+
+
+def query_copy(text: str) -> str | None:
+    """The reply that would copy the query's question in a raw few-shot prompt: the shown answers'
+    leading space, the question line before the final label (less the questions' own label, such
+    as "Q:"), a newline. None where the prompt shows no answer, a question cannot be read, or a
+    shown answer copies its own question (then a copy may be what the task asks for)."""
+    head, sep, label = text.rpartition("\n")
+    label = label.rstrip()
+    if not sep or not label.strip() or len(label) > MAX_LABEL:
+        return None
+    lines = head.split("\n")
+    shown = [i for i, line in enumerate(lines) if line.startswith(label) and line[len(label) :].strip()]
+    asked = [i - 1 for i in shown] + [len(lines) - 1]
+    if not shown or asked[0] < 0 or set(asked) & set(shown):
+        return None
+    first = lines[asked[0]]
+    qlabel = first[: first.find(":") + 1] if 0 <= first.find(":") < MAX_LABEL else ""
+    if not all(lines[i].startswith(qlabel) for i in asked):
+        qlabel = ""
+    questions = [lines[i][len(qlabel) :].strip() for i in asked]
+    answers = [lines[i][len(label) :].strip() for i in shown]
+    if not all(questions) or any(a == q for a, q in zip(answers, questions)):
+        return None
+    last = lines[shown[-1]][len(label) :]
+    return last[: len(last) - len(last.lstrip())] + questions[-1] + "\n"
+
+
+def copy_aside(copies: Sequence[bool], aside: Sequence[int] = ()) -> list[int]:
+    """The members that step aside for copying the question (`query_copy`; `copies[k]`: member k
+    writes it greedily): of the members the shot exam left, those that write it, when one of them
+    does not (where all of them copy, it says nothing about which is right)."""
+    left = [k for k in range(len(copies)) if k not in aside]
+    writers = [k for k in left if copies[k]]
+    return writers if len(writers) < len(left) else []
 
 
 def chat_spans(text: str, answers: Sequence[str]) -> list[tuple[int, int]]:
@@ -185,6 +228,23 @@ def _examined(plans: list[list[list[int]]]) -> list[list[list[int]]]:
     return [g[len(g) - n :] if n else [] for g in plans]
 
 
+def copy_ids(members, texts: list[str], prompt_ids: list[list[int]], raw: bool) -> list[list[int]] | None:
+    """Per member, its prompt ids followed by the tokens of the reply that copies the query's
+    question (`query_copy`), or None where there is none, or a member's tokens of prompt and copy
+    do not begin with its prompt's tokens or fill its context window (the copy cannot be scored
+    after the prompt)."""
+    if not raw:
+        return None
+    out = []
+    for m, text, ids in zip(members, texts, prompt_ids):
+        copy = query_copy(text)
+        ext = m.prompt_ids(text + copy) if copy else []
+        if len(ext) <= len(ids) or len(ext) >= m.context_window or ext[: len(ids)] != list(ids):
+            return None
+        out.append(ext)
+    return out
+
+
 def request_weights(
     method,
     members: Sequence[Any],
@@ -197,11 +257,12 @@ def request_weights(
     notes: dict[str, Any],
 ) -> tuple[list[float], int, tuple[int, ...]]:
     """With weights="auto", this request's member weights, main member and the members the shot
-    exam stepped aside: the prior with the
-    members that fail the shot exam stepped aside (their weight FLOOR, `exam_aside`), then moved
-    by how well each member explains the shown answers (rate `evidence`), both read from the
-    prompt's own prefill (`TokenLM.score_prompt`). Other weight settings, one member, a prompt
-    that shows no answer: the given weights and main member, unchanged. Findings go into `notes`."""
+    exam stepped aside: the prior with the members that fail the shot exam or copy the question
+    stepped aside (their weight FLOOR, `exam_aside`, `copy_aside`), then moved by how well each
+    member explains the shown answers (rate `evidence`), all read from the prompt's own prefill
+    (`TokenLM.score_prompt`, the copy scored after the prompt). Other weight settings, one member,
+    a prompt that shows no answer: the given weights and main member, unchanged. Findings go
+    into `notes`."""
     rate, exam = method.evidence_rate(), method.exam_on()
     if not _auto(method) or len(members) < 2 or method.name == "single" or (rate == 0 and not exam):
         return prior, main, ()
@@ -210,30 +271,30 @@ def request_weights(
         return prior, main, ()
     examined = _examined(plans) if exam else [[] for _ in plans]
     weighed = [[p for g in groups for p in g][-MAX_POSITIONS:] if rate else [] for groups in plans]
+    copies = copy_ids(members, texts, prompt_ids, raw) if exam else None
     scored: list[dict | None] = [None] * len(members)
 
-    def score(k: int) -> tuple[float, float]:  # (shot exam, mean log-prob per shown answer)
+    def score(k: int) -> tuple[float, float, bool]:  # (shot exam, evidence, writes the copy)
+        tail = range(len(prompt_ids[k]), len(copies[k])) if copies else range(0)
         if scored[k] is None:
-            want = sorted({p for g in examined[k] for p in g} | set(weighed[k]))
-            scored[k] = dict(zip(want, members[k].score_prompt(prompt_ids[k], want)))
+            want = sorted({p for g in examined[k] for p in g} | set(weighed[k]) | set(tail))
+            ids = copies[k] if copies else prompt_ids[k]
+            scored[k] = dict(zip(want, members[k].score_prompt(ids, want)))
         sc = scored[k]
         evidence = sum(sc[p].logprob for p in weighed[k]) / len(plans[k])
-        return shot_exam([[sc[p] for p in g] for g in examined[k]]), evidence
+        writes = bool(tail) and all(sc[p].gap >= -COPY_TIE for p in tail)
+        return shot_exam([[sc[p] for p in g] for g in examined[k]]), evidence, writes
 
     settled = _solo_bound(method, members, prior, main, rate, score, notes, len(weighed[main]))
     if settled is not None:
         return settled, main, ()
     found = [score(k) for k in range(len(members))]
-    weights, aside = list(prior), []
-    if exam:
-        aside = exam_aside([p for p, _ in found])
-        notes["exam"] = {m.name: round(g, 3) for m, (g, _) in zip(members, found)} | {"examined": len(examined[0])}
-        if aside:
-            notes["aside"] = [members[k].name for k in aside]
-            weights = [FLOOR if k in aside else w for k, w in enumerate(weights)]
+    weights, aside = list(prior), _aside(members, found, exam, len(examined[0]), notes)
+    if aside:
+        weights = [FLOOR if k in aside else w for k, w in enumerate(weights)]
     if rate:
-        weights = posterior(weights, [e for _, e in found], 1 / rate)
-        notes["evidence"] = {m.name: round(e, 3) for m, (_, e) in zip(members, found)}
+        weights = posterior(weights, [e for _, e, _ in found], 1 / rate)
+        notes["evidence"] = {m.name: round(e, 3) for m, (_, e, _) in zip(members, found)}
         notes["evidence_positions"] = {m.name: len(w) for m, w in zip(members, weighed)}
     if weights == list(prior):
         return prior, main, ()
@@ -243,17 +304,32 @@ def request_weights(
     return weights, main, tuple(aside)
 
 
+def _aside(members, found: list[tuple[float, float, bool]], exam: bool, n: int, notes: dict[str, Any]) -> list[int]:
+    """The members that step aside (the shot exam, then the copy test), with the findings in `notes`."""
+    if not exam:
+        return []
+    aside = exam_aside([g for g, _, _ in found])
+    notes["exam"] = {m.name: round(g, 3) for m, (g, _, _) in zip(members, found)} | {"examined": n}
+    copying = copy_aside([c for _, _, c in found], aside)
+    if copying:
+        notes["copy"] = [members[k].name for k in copying]
+    aside = sorted(set(aside) | set(copying))
+    if aside:
+        notes["aside"] = [members[k].name for k in aside]
+    return aside
+
+
 def _solo_bound(method, members, prior, main, rate, score, notes, positions: int) -> list[float] | None:
     """The weights when the main member's own findings settle that it runs alone (`solo_member`),
     with the others' prompts unscored: a prior that gives it the solo weight, a shot exam within
-    EXAM_BEHIND of 0 (no member's exam, at most 0, can be that far ahead of it), and the weight
-    it keeps even against others whose evidence were 0 (a log-probability's maximum; their
-    weights are upper bounds). Else None."""
+    EXAM_BEHIND of 0 (no member's exam, at most 0, can be that far ahead of it), no copy of the
+    question, and the weight it keeps even against others whose evidence were 0 (a
+    log-probability's maximum; their weights are upper bounds). Else None."""
     solo = method.solo_weight()
     if solo is None or prior[main] < solo:
         return None
-    gap, e = score(main)
-    if method.exam_on() and gap <= -EXAM_BEHIND:  # another member (its exam at most 0) could be that far ahead
+    gap, e, writes = score(main)
+    if method.exam_on() and (gap <= -EXAM_BEHIND or writes):  # another member could be that far ahead
         return None
     bound = posterior(prior, [e if k == main else 0.0 for k in range(len(members))], 1 / rate) if rate else list(prior)
     if bound[main] < solo:

@@ -162,4 +162,6 @@ def flat(scores) -> list[float]:
 
 
 # country names in Russian: SmolLM2 (English) is far from writing these answers, Gemma-3 near them
+# demonyms: Gemma-3 copies the country at the query (its shot answers look fine), SmolLM2 does not
+DEMONYM = "Q: Kenya\nA: Kenyan\nQ: Papua New Guinea\nA: Papua New Guinean\nQ: Dominica\nA: Dominican\nQ: Lithuania\nA:"
 RUSSIAN = "Q: France\nA: Франция\nQ: Germany\nA: Германия\nQ: Italy\nA: Италия\nQ: Spain\nA: Испания\nQ: Japan\nA:"

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import GEMMA, RUSSIAN, SMOL
+from helpers import DEMONYM, GEMMA, RUSSIAN, SMOL
 
 from ensemble_llm import ConfigError, Ensemble
 from ensemble_llm.bench import load_task, resolve_task
@@ -120,10 +120,20 @@ def test_score_prompt_matches_a_full_forward_and_hands_its_state_over(tiny_membe
     m.extend(fresh, ids, last_only=True)
     assert torch.allclose(state.next_logprobs, fresh.next_logprobs, atol=1e-5)
     assert state.ids == ids
-    # the hand-over is one-shot and only for the same ids
+    # the hand-over is one-shot, for the same ids or a beginning of them (the copy test scores a
+    # continuation after the prompt): cropped back, its next row recomputed in one step
     m.score_prompt(ids, positions)
+    b = m.counters()
     other = m.prefill(ids[:-1])
-    assert other.ids == ids[:-1] and m.prefill(ids) is not state
+    assert other.ids == ids[:-1] and m.counters()[0] - b[0] == 1 and m.counters()[2] == b[2]
+    short = m.new_state()
+    m.extend(short, ids[:-1], last_only=True)
+    assert torch.allclose(other.next_logprobs, short.next_logprobs, atol=1e-4)
+    assert m.prefill(ids) is not state
+    m.score_prompt(ids, positions)
+    b = m.counters()
+    m.prefill(ids[:3] + [ids[3] + 1])  # other ids: a prefill of their own
+    assert m.counters()[2] - b[2] == 1
 
 
 @pytest.mark.parametrize("method", ["unite", "safe", "specfuse"])
@@ -318,7 +328,7 @@ def test_a_dominant_member_runs_alone_with_its_own_text_and_cost(real_dirs, plur
         ready = current_request().ready
         before = ready.get(id(self))
         forget(self, ids)
-        dropped.append((self.name, before is not None and before.ids == ids, ready.get(id(self))))
+        dropped.append((self.name, before is not None and before.ids[: len(ids)] == ids, ready.get(id(self))))
 
     monkeypatch.setattr(type(eng.members[1]), "forget_prompt", spy)
     prior, _ = eng.member_weights("raw")
@@ -406,6 +416,55 @@ def test_a_member_far_behind_on_the_shot_exam_steps_aside(real_dirs, plural_prom
     assert "exam" not in r2.stats and "solo" not in r2.stats
     with pytest.raises(ConfigError, match="exam must be True or False"):
         Ensemble([smol, gemma], method=method, config={"exam": "yes"})
+
+
+@pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
+def test_a_member_that_copies_the_question_steps_aside(real_dirs, method):
+    """Demonyms: Gemma-3 is near every shown answer (the exam keeps it), but its greedy reply to
+    the query is the country itself, which no shot shows, while SmolLM2 writes the demonym: Gemma
+    steps aside and the text is SmolLM2's own. With exam=False both run."""
+    smol, gemma = real_dirs[SMOL], real_dirs[GEMMA]
+    extra = {"n_particles": 2} if method == "smc" else {}
+    eng = Ensemble([smol, gemma], method=method, config=extra).load()
+    names = [m.name for m in eng.members]
+    res = eng.generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"])
+    assert res.stats["copy"] == [names[1]] == res.stats["aside"] and res.stats["solo"] == names[0]
+    alone = Ensemble([smol], method="single").generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"])
+    copier = Ensemble([gemma], method="single").generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"])
+    assert res.text == alone.text == " Lithuanian" and copier.text == " Lithuania"
+    assert list(res.stats["members"].values())[0]["prefills"] == 1  # the copy was cropped off its state
+    off = Ensemble([smol, gemma], method=method, config={**extra, "exam": False}).load()
+    assert "copy" not in off.generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"]).stats
+
+
+def test_query_copy_reads_the_question_and_defers_to_shots_that_copy():
+    from ensemble_llm.evidence import query_copy
+
+    assert query_copy(DEMONYM) == " Lithuania\n"
+    assert query_copy("Word: run\nPast:  ran\nWord: go\nPast:") == "  go\n"  # the answers' own spacing
+    assert query_copy("run\nA: ran\nsee\nA: saw\ngo\nA:") == " go\n"  # questions without a label
+    assert query_copy("Q: a: b\nA: x\nQ: c\nA:") == " c\n"  # the label is the first colon's
+    assert query_copy("Q: sheep\nA: sheep\nQ: cat\nA: cats\nQ: deer\nA:") is None  # a shot copies
+    assert query_copy("A: first\nQ: go\nA:") is None  # the first answer has no question before it
+    assert query_copy("Q: go\nA:") is None  # no shown answer
+    assert query_copy("Q: x\nA: y\nQ: \nA:") is None  # an empty question
+    assert query_copy("Q: x\nA: y\nA: z\nQ: w\nA:") is None  # an answer line where a question goes
+
+
+def test_copy_aside_brute_force():
+    from itertools import product
+
+    from ensemble_llm.evidence import copy_aside
+
+    for n in range(1, 5):
+        for copies in product([False, True], repeat=n):
+            for aside in ((), (0,), tuple(range(1, n))):
+                got = copy_aside(copies, aside)
+                left = [k for k in range(n) if k not in aside]
+                if all(copies[k] for k in left) or not any(copies[k] for k in left):
+                    assert got == []  # all copy, or none: the copy says nothing
+                else:
+                    assert got == [k for k in left if copies[k]] and set(left) - set(got)
 
 
 def test_the_exam_reads_the_same_last_answers_for_every_member_within_the_row_bound():

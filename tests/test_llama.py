@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from helpers import GEMMA, RUSSIAN, SMOL, TINY_METHODS
+from helpers import DEMONYM, GEMMA, RUSSIAN, SMOL, TINY_METHODS
 
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, KVBudgetError
@@ -377,3 +377,7 @@ def test_the_default_method_follows_the_member_that_writes_the_shown_answers_on_
     plural = "Q: cat\nA: cats\nQ: dog\nA: dogs\nQ: house\nA: houses\nQ: tree\nA: trees\nQ: car\nA:"
     r2 = eng.generate(plural, raw=True, max_new_tokens=8, stop=["\n"])
     assert "aside" not in r2.stats and r2.stats["exam"]["examined"] == 3
+    r3 = eng.generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"])  # Gemma-3 copies the country
+    assert r3.stats["copy"] == [eng.members[1].name] and r3.stats["solo"] == eng.members[0].name
+    smol = Ensemble([SMOL], progress=False).generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"])
+    assert r3.text == smol.text == " Lithuanian"

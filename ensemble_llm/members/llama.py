@@ -176,8 +176,8 @@ class LlamaMember(TokenizerView):
         return LlamaState()
 
     def prefill(self, ids: Sequence[int]) -> LlamaState:
-        ready = self._ready_slot(take=True)
-        if ready is not None and ready.ids == [int(i) for i in ids]:
+        ready = self._take_ready(ids)
+        if ready is not None:
             return ready
         self._count_prefill()
         state = self.new_state()
@@ -204,11 +204,6 @@ class LlamaMember(TokenizerView):
         scores = run_call(Prefill(self, state, ids=[int(i) for i in ids], positions=[int(p) for p in positions]))
         self._ready_slot(state)
         return scores
-
-    def forget_prompt(self, ids: Sequence[int]) -> None:
-        ready = self._ready_slot(take=True)
-        if ready is not None and ready.ids != [int(i) for i in ids]:
-            self._ready_slot(ready)
 
     def crop(self, state: LlamaState, n: int) -> None:
         self.drop_candidates(state)

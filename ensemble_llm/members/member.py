@@ -88,6 +88,24 @@ class TokenizerView:
             self._ready_outside = state
         return None
 
+    def _take_ready(self, ids: Sequence[int]) -> Any:
+        """score_prompt's state for a prefill of `ids`, or None (a state kept for other ids is
+        dropped). A state whose ids run on past `ids` (a continuation scored after the prompt:
+        the shot exam's copy test) is cropped back, and its next row recomputed in one step."""
+        ready, ids = self._ready_slot(take=True), [int(i) for i in ids]
+        if ready is None or ready.ids[: len(ids)] != ids:
+            return None
+        if len(ready.ids) > len(ids):
+            self.crop(ready, len(ids))
+            self.ensure_next(ready)
+        return ready
+
+    def forget_prompt(self, ids: Sequence[int]) -> None:
+        """Drop the state `score_prompt` kept for `ids` (a request that will not prefill here)."""
+        ready, ids = self._ready_slot(take=True), [int(i) for i in ids]
+        if ready is not None and ready.ids[: len(ids)] != ids:
+            self._ready_slot(ready)
+
     # ---- text <-> tokens ---------------------------------------------------------------
     @cached_property
     def _vocab(self) -> tuple[list[bytes], frozenset[int]]:
@@ -282,8 +300,8 @@ class Member(TokenizerView):
     def prefill(self, ids: Sequence[int]) -> KVState:
         """A new state holding `ids` (the prompt); its next_logprobs is ready. The state that
         `score_prompt` left for the same ids is handed over instead of running the prompt again."""
-        ready = self._ready_slot(take=True)
-        if ready is not None and ready.ids == [int(i) for i in ids]:
+        ready = self._take_ready(ids)
+        if ready is not None:
             return ready
         self._count_prefill()
         state = self.new_state()
@@ -308,12 +326,6 @@ class Member(TokenizerView):
         scores = run_call(Prefill(self, state, ids=ids, positions=positions))  # with other requests' prompts
         self._ready_slot(state)
         return scores
-
-    def forget_prompt(self, ids: Sequence[int]) -> None:
-        """Drop the state `score_prompt` kept for `ids` (a request that will not prefill here)."""
-        ready = self._ready_slot(take=True)
-        if ready is not None and ready.ids != [int(i) for i in ids]:
-            self._ready_slot(ready)
 
     def _prompt_own(
         self, state: KVState, ids: list[int], positions: list[int] | None = None, tally=None, seeded=None

@@ -199,8 +199,16 @@ class MemberActor:
 
     # KV states: every forward keeps its log-prob rows under the handle the caller chose
     def _prefilled(self, ids: list[int]):
-        """The state score_prompt left for these ids (its prompt runs once), or None."""
-        return self.ready.pop(tuple(ids), None)
+        """The state score_prompt left for these ids (its prompt runs once), or None. A state that
+        runs on past them (the shot exam's copy test) is cropped back to them."""
+        key = next((k for k in reversed(self.ready) if k[: len(ids)] == tuple(ids)), None)
+        if key is None:
+            return None
+        st = self.ready.pop(key)
+        if len(key) > len(ids):
+            self.member.crop(st, len(ids))
+            self.member.ensure_next(st)
+        return st
 
     def op_prefill(self, h: int, r: int, ids: list[int]) -> None:
         st = self._prefilled(ids)
@@ -319,7 +327,8 @@ class MemberActor:
         return out
 
     def op_forget_prompt(self, ids: list[int]) -> None:
-        self.ready.pop(tuple(ids), None)
+        for k in [k for k in self.ready if k[: len(ids)] == tuple(ids)]:
+            del self.ready[k]
 
     def op_target_logprob(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         return self.member.target_logprob(prompt_ids, target_ids)
