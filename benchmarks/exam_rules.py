@@ -10,7 +10,7 @@ run of the same prompt); any other request keeps the ensemble's answer (the run 
 off). Greedy decoding repeats (issue 59), so this is what the engine does with the rule on,
 without running it again.
 
-    python benchmarks/exam_rules.py --exam E.jsonl [E2.jsonl ...] --runs DIR [DIR ...] --out R.json
+    python benchmarks/exam_rules.py --exam E.jsonl [E2.jsonl ...] --runs DIR [DIR ...] --out R.json --title T
 
 E: benchmarks/shot_exam.py's findings; DIR: folders of `ensemble-llm bench` runs (one task each,
 as DIR/TASK/results.json or as the committed DIR/TASK.json,
@@ -87,6 +87,10 @@ def main() -> None:
     ap.add_argument("--exam", nargs="+", type=Path, required=True)
     ap.add_argument("--runs", nargs="+", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--title", default="Shot-exam thresholds and the copy test")
+    ap.add_argument(
+        "--behind", type=float, nargs="+", default=BEHIND, help="the thresholds (runs with the exam on: theirs)"
+    )
     args = ap.parse_args()
     exams: dict[str, list] = {}
     for path in args.exam:
@@ -95,14 +99,16 @@ def main() -> None:
             exams.setdefault(row["task"], []).append(row)
     runs = load_runs(args.runs)
     result = {
-        f"behind={b:g}{'+copy' if copy else ''}": apply(b, copy, exams, runs) for b in BEHIND for copy in (False, True)
+        f"behind={b:g}{'+copy' if copy else ''}": apply(b, copy, exams, runs)
+        for b in args.behind
+        for copy in (False, True)
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(table(result))
-    print(table(result))
+    args.out.with_suffix(".md").write_text(table(result, args.title))
+    print(table(result, args.title))
 
 
-def table(result: dict) -> str:
+def table(result: dict, title: str) -> str:
     """Pooled right answers per threshold and method, requests fired on, and per task."""
     first = next(iter(result.values()))
     every = [k for f in first.values() for k in f if k not in ("examples", "single", "fired", "kept")]
@@ -112,7 +118,7 @@ def table(result: dict) -> str:
     router = sum(max(f["single"]) for f in first.values())
     named = ", ".join(f"{t} ({f['examples']})" for t, f in first.items())
     lines = [
-        "# Shot-exam thresholds and the copy test",
+        f"# {title}",
         "",
         f"Tasks: {named}. Best member pooled {best}, "
         f"per-task router {router}. `behind`: nats per examined answer (1e+09: the exam off); "
@@ -129,7 +135,7 @@ def table(result: dict) -> str:
     lines += ["", "Right answers per task, and of the better member's right answers how many each keeps:", ""]
     lines += ["| rule | task | members | " + " | ".join(every) + " |", "|---|---|---|" + "---|" * len(every)]
     for rule, tasks in result.items():
-        if not rule.startswith(("behind=3", "behind=1e+09")):
+        if not rule.startswith(("behind=3", "behind=1e+09")) and len(result) > 2:
             continue
         for t, f in tasks.items():
             best = max(f["single"])

@@ -11,7 +11,7 @@ then up to 100 scored examples, each with three drawn shots; bare "Q:/A:" prompt
     pip install lemminflect==0.2.3 wordfreq==3.1.1 babel==2.19.0 pycountry==26.2.16 num2words==0.5.14 \
         inflect==7.6.0 countryinfo==1.0.1 pyphen==0.18.1 periodictable==2.1.0 roman==5.2 emoji==2.16.0
     python benchmarks/floor_tasks.py build --out /tmp/floor            # the candidate task files
-    python benchmarks/floor_tasks.py choose --scores S.json            # pick and split by single scores
+    python benchmarks/floor_tasks.py choose --scores DIR [DIR ...]     # pick and split by single scores
 
 `choose` reads the members' single-member accuracies (`ensemble-llm bench --methods single` runs,
 one folder per task), splits the tasks by family into tune and outside by the parity of the
@@ -240,6 +240,32 @@ def _adverbs() -> list[tuple[str, str]]:
     return out
 
 
+def _derived(pos: str, make, keep_pos: str | None = None) -> list[tuple[str, str]]:
+    """(word, the word `make` derives from it) where both are frequent English words, the first its
+    own lemma as `pos` (and the second as `keep_pos`)."""
+    from lemminflect import getAllLemmas
+    from wordfreq import top_n_list
+
+    words = top_n_list("en", WORDS)
+    known = set(words)
+    out = []
+    for w in words:
+        d = make(w)
+        if not (w.isalpha() and w.islower() and len(w) > 3 and d in known and getAllLemmas(w).get(pos) == (w,)):
+            continue
+        if keep_pos is None or getAllLemmas(d).get(keep_pos) == (d,):
+            out.append((w, d))
+    return out
+
+
+def _ness(w: str) -> str:
+    return (w[:-1] + "iness") if w.endswith("y") else w + "ness"
+
+
+def _agent(w: str) -> str:
+    return w + "r" if w.endswith("e") else w + "er"
+
+
 # task -> (family, the pairs); a family's siblings always land in the same half
 CANDIDATES = {
     "en_past_participle": ("en_verb_forms", lambda: _english("VERB", "VBN")),
@@ -290,6 +316,9 @@ CANDIDATES = {
     "ordinal_suffix": ("ordinals", _ordinal_suffix),
     "demonym_country": ("country_facts", lambda: [(b, a) for a, b in _country_field("demonym")]),
     "en_adverb": ("en_adverb", _adverbs),
+    "en_ness": ("en_ness", lambda: _derived("ADJ", _ness, "NOUN")),
+    "en_agent": ("en_agent", lambda: _derived("VERB", _agent, "NOUN")),
+    "en_negation": ("en_negation", lambda: _derived("ADJ", lambda w: "un" + w)),
     # names in other scripts: one family per language (its countries and its languages together)
     **{
         f"{kind}_{lang}": (
@@ -303,7 +332,17 @@ CANDIDATES = {
 # scored and split after the first split was committed (its tasks keep their halves): the outside
 # ones are floor tasks no rule was tuned on
 ADDED_LATER = frozenset(
-    {"en_third_person", "en_regular_past", "en_plural", "ordinal_suffix", "demonym_country", "en_adverb"}
+    {
+        "en_third_person",
+        "en_regular_past",
+        "en_plural",
+        "ordinal_suffix",
+        "demonym_country",
+        "en_adverb",
+        "en_ness",
+        "en_agent",
+        "en_negation",
+    }
 )
 
 
@@ -370,7 +409,9 @@ def split_markdown(record: dict) -> str:
         "",
         f"Floor: one member at most {FLOOR:.0%}, another at least {ABLE:.0%}; lopsided: the worse at most "
         f"{LOPSIDED[0]:.0%}, the better at least {LOPSIDED[1]:.0%} and {LOPSIDED[2]:g} times the worse; "
-        "both competent: both at least 20%. Fixed shots, 100 examples (fewer where the list is shorter).",
+        "both competent: both at least 20%. Fixed shots, 100 examples (fewer where the list is shorter). "
+        "Added later: candidates built, scored and split after the first split, before any ensemble ran "
+        "on them (derivations such as adverbs and agent nouns, and more word forms).",
         "",
         "| half | task | family | " + " | ".join(next(iter(record["single_accuracy"].values()))) + " | class |",
         "|---|---|---|---|---|---|",
@@ -379,7 +420,8 @@ def split_markdown(record: dict) -> str:
         for t in record[h]["all"]:
             kind = next((k for k in ("floor", "lopsided", "both_competent") if t in record[h][k]), "")
             acc = " | ".join(f"{v:.0%}" for v in record["single_accuracy"][t].values())
-            lines.append(f"| {h} | {t} | {CANDIDATES[t][0]} | {acc} | {kind.replace('_', ' ')} |")
+            later = " (added later)" if t in record.get("added_later", ()) else ""
+            lines.append(f"| {h} | {t}{later} | {CANDIDATES[t][0]} | {acc} | {kind.replace('_', ' ')} |")
     return "\n".join(lines) + "\n"
 
 
