@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,16 +199,20 @@ class MemberActor:
             ) from None
 
     # KV states: every forward keeps its log-prob rows under the handle the caller chose
-    def _prefilled(self, ids: list[int]):
+    def _prefilled(self, ids: list[int], count: _TagCount | None = None):
         """The state score_prompt left for these ids (its prompt runs once), or None. A state that
-        runs on past them (the shot exam's copy test) is cropped back to them."""
+        runs on past them (the shot exam's copy test) is cropped back to them, its next row
+        recomputed in one forward (counted for the request)."""
         key = next((k for k in reversed(self.ready) if k[: len(ids)] == tuple(ids)), None)
         if key is None:
             return None
         st = self.ready.pop(key)
         if len(key) > len(ids):
+            t0 = time.perf_counter()
             self.member.crop(st, len(ids))
             self.member.ensure_next(st)
+            if count is not None:
+                count.add(self.member, 1, time.perf_counter() - t0)
         return st
 
     def op_prefill(self, h: int, r: int, ids: list[int]) -> None:
@@ -226,11 +231,11 @@ class MemberActor:
 
         m, calls, scored, out, ready = self.member, [], {}, [None] * len(items), []
         for i, (h, _, ids, tag, positions) in enumerate(items):
-            st = None if positions is not None else self._prefilled(ids)
+            count = None if tag is None else _TagCount(self.objs, tag)
+            st = None if positions is not None else self._prefilled(ids, count)
             if st is None:
                 st = m.new_state()
                 m._count_prefill()
-                count = None if tag is None else _TagCount(self.objs, tag)
                 if count is not None:
                     count.add(m, 0, 0.0, 1)
                 call = Prefill(m, st, count, ids=ids, positions=positions)
