@@ -62,6 +62,7 @@ FLOOR = 1e-3  # the smallest weight a member keeps
 EXAM_ANSWERS = 8  # shown answers examined per request (the last ones)
 EXAM_BEHIND = 3.0  # nats per examined answer behind the best member: it steps aside (benchmarks/exam_rules.py)
 COPY_TIE = 1e-4  # a copy token this close to the row's best counts as the member's greedy choice
+COPY_TOKENS = 16  # a longer question is not scored as a copy (it would lengthen the prefill by as much)
 
 
 def answer_spans(text: str) -> list[tuple[int, int]]:
@@ -230,16 +231,16 @@ def _examined(plans: list[list[list[int]]]) -> list[list[list[int]]]:
 
 def copy_ids(members, texts: list[str], prompt_ids: list[list[int]], raw: bool) -> list[list[int]] | None:
     """Per member, its prompt ids followed by the tokens of the reply that copies the query's
-    question (`query_copy`), or None where there is none, or a member's tokens of prompt and copy
-    do not begin with its prompt's tokens or fill its context window (the copy cannot be scored
-    after the prompt)."""
+    question (`query_copy`), or None where there is none, it is over COPY_TOKENS tokens, or a
+    member's tokens of prompt and copy do not begin with its prompt's tokens or fill its context
+    window (the copy cannot be scored after the prompt)."""
     if not raw:
         return None
     out = []
     for m, text, ids in zip(members, texts, prompt_ids):
         copy = query_copy(text)
         ext = m.prompt_ids(text + copy) if copy else []
-        if len(ext) <= len(ids) or len(ext) >= m.context_window or ext[: len(ids)] != list(ids):
+        if not 0 < len(ext) - len(ids) <= COPY_TOKENS or len(ext) >= m.context_window or ext[: len(ids)] != list(ids):
             return None
         out.append(ext)
     return out

@@ -451,6 +451,20 @@ def test_query_copy_reads_the_question_and_defers_to_shots_that_copy():
     assert query_copy("Q: x\nA: y\nA: z\nQ: w\nA:") is None  # an answer line where a question goes
 
 
+def test_copy_ids_score_a_short_copy_after_the_prompt_only(tiny_members):
+    from ensemble_llm.evidence import COPY_TOKENS, copy_ids
+
+    members = [tiny_members["smol"], tiny_members["gemma"]]
+    ids = [m.prompt_ids(DEMONYM) for m in members]
+    ext = copy_ids(members, [DEMONYM] * 2, ids, True)
+    assert [e[: len(i)] for e, i in zip(ext, ids)] == ids
+    assert [m.decode(e[len(i) :]) for m, e, i in zip(members, ext, ids)] == [" Lithuania\n"] * 2
+    assert copy_ids(members, [DEMONYM] * 2, ids, False) is None  # chat: no copy test
+    long = DEMONYM.replace("Lithuania", " ".join(["Lithuania"] * COPY_TOKENS))
+    long_ids = [m.prompt_ids(long) for m in members]
+    assert copy_ids(members, [long] * 2, long_ids, True) is None  # it would lengthen the prefill
+
+
 def test_copy_aside_brute_force():
     from itertools import product
 
