@@ -58,7 +58,7 @@ def plan_placement(
     return Placement("ray", [torch.device("cpu")] * n, [name] * n, ray_address, resources)
 
 
-MAX_BATCH = {"cpu": 8, "cuda": 32}  # "auto": requests run at once per device kind (members/batching.py)
+MAX_BATCH = {"cpu": 8, "cuda": 32}  # "auto": requests run at once per device kind (members/scheduler.py)
 
 
 def resolve_max_batch(value: Any, placement: str, devices: Sequence[Any]) -> int:

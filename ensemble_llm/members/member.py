@@ -515,7 +515,7 @@ class Member(TokenizerView):
         grow with B x prompt length (memory copies, not attention, dominated long chat prompts).
         Sliding-window layers get a mask of their own, so they stay exact. Returns raw logits
         [B, V] and the new token's KV slice for every row. While other requests run, the call
-        joins theirs in one forward (members/batching.py: each tree keeps its own columns)."""
+        joins theirs in one forward (rowgroups.py: each tree keeps its own columns)."""
         if not tokens or len(paths) != len(tokens):
             raise ValueError("forward_rows needs one path per token and at least one token")
         return run_call(Tree(self, None, tree=(prefix_kv, paths, tokens)))

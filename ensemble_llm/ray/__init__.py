@@ -23,7 +23,7 @@ caller only waits where it needs a value, so the forwards of different members r
 verifiers verify and SpecFuse members draft in parallel. Handles the caller drops are freed on
 the actor with the next call. Payload bytes both ways are counted per member (`bytes_moved`).
 
-Concurrent requests batch across the actors: the caller's step scheduler (members/batching.py)
+Concurrent requests batch across the actors: the caller's step scheduler (members/scheduler.py)
 sends a Ray member's step, the prompts or the extends and scorings of several requests, as one
 call (`RayMember.run_batch`), and the actor runs it as one batched forward on its states
 (`MemberActor.op_prefills` / `op_step`; prompts scored for per-request weights are items of the

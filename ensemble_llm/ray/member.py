@@ -332,7 +332,7 @@ class RayMember(TokenizerView):
                 self, self._forward("target_logprob", [int(i) for i in prompt_ids], [int(i) for i in target_ids])
             ).get()
 
-    # ---- batched steps (members/batching.py): one call to the actor per step -------------
+    # ---- batched steps (members/scheduler.py): one call to the actor per step -------------
     def run_batch(self, kind: str, calls: list) -> None:
         """Send one step of several requests' calls to the actor, which runs them batched there
         (`op_prefills`, `op_step`). The rows stay on the actor as handles, so this does not wait:
