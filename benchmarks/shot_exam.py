@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from ensemble_llm import Ensemble  # noqa: E402
 from ensemble_llm.bench import resolve_tasks, task_prompts  # noqa: E402
-from ensemble_llm.evidence import COPY_TIE, answer_spans, copy_ids, span_groups  # noqa: E402
+from ensemble_llm.evidence import answer_spans, copy_tokens, span_groups  # noqa: E402
 
 PAIR = ("smollm2-135m-instruct", "gemma-3-270m")
 
@@ -41,14 +41,14 @@ def exam(member, prompt: str) -> list[dict]:
 def copies(members, prompt: str) -> list[bool] | None:
     """Per member: whether it writes the copy of the query's question greedily (as the engine tests it)."""
     ids = [m.prompt_ids(prompt) for m in members]
-    ext = copy_ids(members, [prompt] * len(members), ids, True)
-    if ext is None:
+    tails = copy_tokens(members, [prompt] * len(members), ids, True)
+    if tails is None:
         return None
     out = []
-    for m, a, b in zip(members, ids, ext):
-        tail = list(range(len(a), len(b)))
-        out.append(all(s.gap >= -COPY_TIE for s in m.score_prompt(b, tail)))
-        m.forget_prompt(b)
+    for m, a, tail in zip(members, ids, tails):
+        m.score_prompt(a, [])
+        out.append(m.greedy_after(a, tail))
+        m.forget_prompt(a)
     return out
 
 

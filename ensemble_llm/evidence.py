@@ -43,9 +43,10 @@ is nowhere near writing any of them is at the floor.
 The copy test, part of the exam (raw few-shot prompts): a member can follow every shown answer
 and still answer the query with its question (a demonym task's "France" for "French": the shown
 answers begin with their questions). Where no shown answer is its own question, that reply
-contradicts the shots: the member whose greedy reply is the question itself (`query_copy`, scored
-after the prompt in the same prefill, its tokens' gaps all 0) steps aside, if another member's is
-not (`copy_aside`; where every member copies, it says nothing).
+contradicts the shots: the member whose greedy reply is the question itself (`query_copy`,
+`TokenLM.greedy_after` on the scored prompt's state: a forward only where the copy's first token
+is the member's greedy one) steps aside, if another member's is not (`copy_aside`; where every
+member copies, it says nothing).
 """
 
 from __future__ import annotations
@@ -61,8 +62,7 @@ MAX_POSITIONS = 96  # scored positions per member and request (the last answers 
 FLOOR = 1e-3  # the smallest weight a member keeps
 EXAM_ANSWERS = 8  # shown answers examined per request (the last ones)
 EXAM_BEHIND = 3.0  # nats per examined answer behind the best member: it steps aside (benchmarks/exam_rules.py)
-COPY_TIE = 1e-4  # a copy token this close to the row's best counts as the member's greedy choice
-COPY_TOKENS = 16  # a longer question is not scored as a copy (it would lengthen the prefill by as much)
+COPY_TOKENS = 16  # a longer question is not tested as a copy (the test could extend by as much)
 
 
 def answer_spans(text: str) -> list[tuple[int, int]]:
@@ -229,11 +229,11 @@ def _examined(plans: list[list[list[int]]]) -> list[list[list[int]]]:
     return [g[len(g) - n :] if n else [] for g in plans]
 
 
-def copy_ids(members, texts: list[str], prompt_ids: list[list[int]], raw: bool) -> list[list[int]] | None:
-    """Per member, its prompt ids followed by the tokens of the reply that copies the query's
-    question (`query_copy`), or None where there is none, it is over COPY_TOKENS tokens, or a
-    member's tokens of prompt and copy do not begin with its prompt's tokens or fill its context
-    window (the copy cannot be scored after the prompt)."""
+def copy_tokens(members, texts: list[str], prompt_ids: list[list[int]], raw: bool) -> list[list[int]] | None:
+    """Per member, the tokens of the reply that copies the query's question (`query_copy`) after
+    its prompt's, or None where there is none, it is over COPY_TOKENS tokens or past a member's
+    context window, or a member's tokens of prompt and copy do not begin with its prompt's tokens
+    (the copy is not a continuation)."""
     if not raw:
         return None
     out = []
@@ -242,7 +242,7 @@ def copy_ids(members, texts: list[str], prompt_ids: list[list[int]], raw: bool) 
         ext = m.prompt_ids(text + copy) if copy else []
         if not 0 < len(ext) - len(ids) <= COPY_TOKENS or len(ext) >= m.context_window or ext[: len(ids)] != list(ids):
             return None
-        out.append(ext)
+        out.append(ext[len(ids) :])
     return out
 
 
@@ -261,7 +261,7 @@ def request_weights(
     exam stepped aside: the prior with the members that fail the shot exam or copy the question
     stepped aside (their weight FLOOR, `exam_aside`, `copy_aside`), then moved by how well each
     member explains the shown answers (rate `evidence`), all read from the prompt's own prefill
-    (`TokenLM.score_prompt`, the copy scored after the prompt). Other weight settings, one member,
+    (`TokenLM.score_prompt`; the copy from its state, `greedy_after`). Other weight settings, one member,
     a prompt that shows no answer: the given weights and main member, unchanged. Findings go
     into `notes`."""
     rate, exam = method.evidence_rate(), method.exam_on()
@@ -272,18 +272,17 @@ def request_weights(
         return prior, main, ()
     examined = _examined(plans) if exam else [[] for _ in plans]
     weighed = [[p for g in groups for p in g][-MAX_POSITIONS:] if rate else [] for groups in plans]
-    copies = copy_ids(members, texts, prompt_ids, raw) if exam else None
-    scored: list[dict | None] = [None] * len(members)
+    copies = copy_tokens(members, texts, prompt_ids, raw) if exam else None
+    scored: list[tuple | None] = [None] * len(members)
 
     def score(k: int) -> tuple[float, float, bool]:  # (shot exam, evidence, writes the copy)
-        tail = range(len(prompt_ids[k]), len(copies[k])) if copies else range(0)
         if scored[k] is None:
-            want = sorted({p for g in examined[k] for p in g} | set(weighed[k]) | set(tail))
-            ids = copies[k] if copies else prompt_ids[k]
-            scored[k] = dict(zip(want, members[k].score_prompt(ids, want)))
-        sc = scored[k]
+            want = sorted({p for g in examined[k] for p in g} | set(weighed[k]))
+            sc = dict(zip(want, members[k].score_prompt(prompt_ids[k], want)))
+            writes = bool(copies) and members[k].greedy_after(prompt_ids[k], copies[k])
+            scored[k] = (sc, writes)
+        sc, writes = scored[k]
         evidence = sum(sc[p].logprob for p in weighed[k]) / len(plans[k])
-        writes = bool(tail) and all(sc[p].gap >= -COPY_TIE for p in tail)
         return shot_exam([[sc[p] for p in g] for g in examined[k]]), evidence, writes
 
     settled = _solo_bound(method, members, prior, main, rate, score, notes, len(weighed[main]))

@@ -120,20 +120,12 @@ def test_score_prompt_matches_a_full_forward_and_hands_its_state_over(tiny_membe
     m.extend(fresh, ids, last_only=True)
     assert torch.allclose(state.next_logprobs, fresh.next_logprobs, atol=1e-5)
     assert state.ids == ids
-    # the hand-over is one-shot, for the same ids or a beginning of them (the copy test scores a
-    # continuation after the prompt): cropped back, its next row recomputed in one step
+    # the hand-over is one-shot and only for the same ids
     m.score_prompt(ids, positions)
     b = m.counters()
     other = m.prefill(ids[:-1])
-    assert other.ids == ids[:-1] and m.counters()[0] - b[0] == 1 and m.counters()[2] == b[2]
-    short = m.new_state()
-    m.extend(short, ids[:-1], last_only=True)
-    assert torch.allclose(other.next_logprobs, short.next_logprobs, atol=1e-4)
-    assert m.prefill(ids) is not state
-    m.score_prompt(ids, positions)
-    b = m.counters()
-    m.prefill(ids[:3] + [ids[3] + 1])  # other ids: a prefill of their own
-    assert m.counters()[2] - b[2] == 1
+    assert other.ids == ids[:-1] and m.counters()[2] - b[2] == 1  # a prefill of its own
+    assert m.prefill(ids) is not state and m.counters()[2] - b[2] == 2  # the scored state was dropped
 
 
 @pytest.mark.parametrize("method", ["unite", "safe", "specfuse"])
@@ -451,18 +443,43 @@ def test_query_copy_reads_the_question_and_defers_to_shots_that_copy():
     assert query_copy("Q: x\nA: y\nA: z\nQ: w\nA:") is None  # an answer line where a question goes
 
 
-def test_copy_ids_score_a_short_copy_after_the_prompt_only(tiny_members):
-    from ensemble_llm.evidence import COPY_TOKENS, copy_ids
+def test_copy_tokens_are_a_short_continuation_of_the_prompt(tiny_members):
+    from ensemble_llm.evidence import COPY_TOKENS, copy_tokens
 
     members = [tiny_members["smol"], tiny_members["gemma"]]
     ids = [m.prompt_ids(DEMONYM) for m in members]
-    ext = copy_ids(members, [DEMONYM] * 2, ids, True)
-    assert [e[: len(i)] for e, i in zip(ext, ids)] == ids
-    assert [m.decode(e[len(i) :]) for m, e, i in zip(members, ext, ids)] == [" Lithuania\n"] * 2
-    assert copy_ids(members, [DEMONYM] * 2, ids, False) is None  # chat: no copy test
+    tails = copy_tokens(members, [DEMONYM] * 2, ids, True)
+    assert [m.prompt_ids(DEMONYM + " Lithuania\n") for m in members] == [i + t for i, t in zip(ids, tails)]
+    assert [m.decode(t) for m, t in zip(members, tails)] == [" Lithuania\n"] * 2
+    assert copy_tokens(members, [DEMONYM] * 2, ids, False) is None  # chat: no copy test
     long = DEMONYM.replace("Lithuania", " ".join(["Lithuania"] * COPY_TOKENS))
     long_ids = [m.prompt_ids(long) for m in members]
-    assert copy_ids(members, [long] * 2, long_ids, True) is None  # it would lengthen the prefill
+    assert copy_tokens(members, [long] * 2, long_ids, True) is None  # the test could extend by as much
+
+
+def test_greedy_after_reads_the_scored_state_and_leaves_it_for_the_prefill(tiny_members):
+    """The member's own greedy tokens are a greedy continuation; a token off its row's best is
+    not, and then no forward runs. The scored state is handed to the prefill unchanged."""
+    m = tiny_members["gemma"]
+    ids = m.prompt_ids(FEW_SHOT)
+    fresh = m.new_state()
+    rows = m.extend(fresh, ids, last_only=True)
+    greedy = [int(rows[-1].argmax())]
+    for _ in range(2):
+        greedy.append(int(m.extend(fresh, greedy[-1:])[-1].argmax()))
+    other = int(torch.topk(rows[-1], 2).indices[1])
+    m.score_prompt(ids, [3])
+    b = m.counters()
+    assert m.greedy_after(ids, greedy) and m.counters()[0] - b[0] == 1  # one extend for the rest
+    assert m.greedy_after(ids, greedy[:1]) and not m.greedy_after(ids, [other] + greedy[1:])
+    assert m.counters()[0] - b[0] == 1 and m.counters()[2] == b[2]  # first token alone: no forward
+    state = m.prefill(ids)  # the scored state, as it was
+    assert state.ids == ids and m.counters()[2] == b[2]
+    ref = m.new_state()
+    m.extend(ref, ids, last_only=True)
+    assert torch.allclose(state.next_logprobs, ref.next_logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="at least one token"):
+        m.greedy_after(ids, [])
 
 
 def test_copy_aside_brute_force():

@@ -24,7 +24,7 @@ from .context import check_request, current_request, current_tally
 from .convert import cached_token_bytes
 from .headpad import pad_rows
 from .prefix import PrefixCache, configured_bytes, seed_cache
-from .protocol import PromptScore
+from .protocol import PromptScore, greedy_continues
 from .rowgroups import RowGroupExecutor
 from .scheduler import outside_steps, run_call
 from .steps import Extend, Prefill, Score, Tree
@@ -89,22 +89,28 @@ class TokenizerView:
         return None
 
     def _take_ready(self, ids: Sequence[int]) -> Any:
-        """score_prompt's state for a prefill of `ids`, or None (a state kept for other ids is
-        dropped). A state whose ids run on past `ids` (a continuation scored after the prompt:
-        the shot exam's copy test) is cropped back, and its next row recomputed in one step."""
-        ready, ids = self._ready_slot(take=True), [int(i) for i in ids]
-        if ready is None or ready.ids[: len(ids)] != ids:
-            return None
-        if len(ready.ids) > len(ids):
-            self.crop(ready, len(ids))
-            self.ensure_next(ready)
-        return ready
+        """score_prompt's state for a prefill of `ids`, or None (a state kept for other ids is dropped)."""
+        ready = self._ready_slot(take=True)
+        return ready if ready is not None and ready.ids == [int(i) for i in ids] else None
 
     def forget_prompt(self, ids: Sequence[int]) -> None:
         """Drop the state `score_prompt` kept for `ids` (a request that will not prefill here)."""
-        ready, ids = self._ready_slot(take=True), [int(i) for i in ids]
-        if ready is not None and ready.ids[: len(ids)] != ids:
+        ready = self._ready_slot(take=True)
+        if ready is not None and ready.ids != [int(i) for i in ids]:
             self._ready_slot(ready)
+
+    def greedy_after(self, ids: Sequence[int], continuation: Sequence[int]) -> bool:
+        """Whether this member's greedy continuation of the prompt `ids` begins with `continuation`
+        (the shot exam's copy test), read from the state `score_prompt` kept for `ids` (else a
+        prefill of its own), which stays kept for the prefill that follows. It runs a forward only
+        where the first token is the greedy one (`greedy_continues`)."""
+        if not continuation:
+            raise ValueError("greedy_after() needs at least one token of continuation")
+        state = self.prefill(ids)
+        try:
+            return greedy_continues(self, state, continuation)
+        finally:
+            self._ready_slot(state)
 
     # ---- text <-> tokens ---------------------------------------------------------------
     @cached_property

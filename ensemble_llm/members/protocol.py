@@ -33,6 +33,21 @@ def prompt_score(row: torch.Tensor, token: int, normalizer: float = 0.0) -> Prom
     return PromptScore(x - normalizer, x - float(row.max()))
 
 
+def greedy_continues(member: Any, state: Any, continuation: Sequence[int], tie: float = 1e-4) -> bool:
+    """Whether `member`'s greedy continuation of `state` begins with `continuation` (each token
+    within `tie` of its row's best): the state's next row first, and only if that token is the
+    greedy one, the rest in one extend inside `scratch` (the state is left as it was)."""
+    cont = [int(t) for t in continuation]
+    row = member.ensure_next(state)
+    if float(row[cont[0]]) < float(row.max()) - tie:
+        return False
+    if len(cont) == 1:
+        return True
+    with member.scratch(state):
+        rows = member.extend(state, cont[:-1])
+        return all(float(r[t]) >= float(r.max()) - tie for r, t in zip(rows, cont[1:]))
+
+
 @runtime_checkable
 class TokenLM(Protocol):
     # ---- identity and vocabulary -------------------------------------------------------------
@@ -90,6 +105,8 @@ class TokenLM(Protocol):
     def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]: ...
 
     def forget_prompt(self, ids: Sequence[int]) -> None: ...
+
+    def greedy_after(self, ids: Sequence[int], continuation: Sequence[int]) -> bool: ...
 
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float: ...
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -199,21 +198,9 @@ class MemberActor:
             ) from None
 
     # KV states: every forward keeps its log-prob rows under the handle the caller chose
-    def _prefilled(self, ids: list[int], count: _TagCount | None = None):
-        """The state score_prompt left for these ids (its prompt runs once), or None. A state that
-        runs on past them (the shot exam's copy test) is cropped back to them, its next row
-        recomputed in one forward (counted for the request)."""
-        key = next((k for k in reversed(self.ready) if k[: len(ids)] == tuple(ids)), None)
-        if key is None:
-            return None
-        st = self.ready.pop(key)
-        if len(key) > len(ids):
-            t0 = time.perf_counter()
-            self.member.crop(st, len(ids))
-            self.member.ensure_next(st)
-            if count is not None:
-                count.add(self.member, 1, time.perf_counter() - t0)
-        return st
+    def _prefilled(self, ids: list[int]):
+        """The state score_prompt left for these ids (its prompt runs once), or None."""
+        return self.ready.pop(tuple(ids), None)
 
     def op_prefill(self, h: int, r: int, ids: list[int]) -> None:
         st = self._prefilled(ids)
@@ -231,11 +218,11 @@ class MemberActor:
 
         m, calls, scored, out, ready = self.member, [], {}, [None] * len(items), []
         for i, (h, _, ids, tag, positions) in enumerate(items):
-            count = None if tag is None else _TagCount(self.objs, tag)
-            st = None if positions is not None else self._prefilled(ids, count)
+            st = None if positions is not None else self._prefilled(ids)
             if st is None:
                 st = m.new_state()
                 m._count_prefill()
+                count = None if tag is None else _TagCount(self.objs, tag)
                 if count is not None:
                     count.add(m, 0, 0.0, 1)
                 call = Prefill(m, st, count, ids=ids, positions=positions)
@@ -332,8 +319,18 @@ class MemberActor:
         return out
 
     def op_forget_prompt(self, ids: list[int]) -> None:
-        for k in [k for k in self.ready if k[: len(ids)] == tuple(ids)]:
-            del self.ready[k]
+        self.ready.pop(tuple(ids), None)
+
+    def op_greedy_after(self, ids: list[int], continuation: list[int]) -> bool:
+        """`Member.greedy_after` on the state score_prompt left here, which stays for the prefill."""
+        from ..members.protocol import greedy_continues
+
+        st = self._prefilled(ids)
+        st = self.member.prefill(ids) if st is None else st
+        try:
+            return greedy_continues(self.member, st, continuation)
+        finally:
+            self.ready[tuple(ids)] = st
 
     def op_target_logprob(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         return self.member.target_logprob(prompt_ids, target_ids)

@@ -326,6 +326,15 @@ class RayMember(TokenizerView):
         """Drop the state `score_prompt` left on the actor for `ids` (sent, not waited for)."""
         self._submit("forget_prompt", [int(i) for i in ids], count=False)
 
+    def greedy_after(self, ids: Sequence[int], continuation: Sequence[int]) -> bool:
+        """`Member.greedy_after` on the actor, on the state score_prompt left there."""
+        if not continuation:
+            raise ValueError("greedy_after() needs at least one token of continuation")
+        with outside_steps():
+            return Pending(
+                self, self._forward("greedy_after", [int(i) for i in ids], [int(t) for t in continuation])
+            ).get()
+
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
         with outside_steps():
             return Pending(
