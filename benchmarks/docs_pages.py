@@ -43,9 +43,9 @@ STUDIES = {
         "tasks (three floor tasks, five where both members are competent) were scored once with the "
         "exam and copy test (`benchmarks/floor_report.py`), as were the two earlier outside floor tasks "
         "again, for the pooled floor figure. What the exam with the copy test costs a request, cold "
-        "and warm (`benchmarks/exam_cost.py`): 19 to 35% on this CPU, over the 10% the issue asked; the "
-        "scored prompts run before the method, each member in turn, with the output layer at every "
-        "scored row and the copy's tokens.",
+        "and warm (`benchmarks/exam_cost.py`): 12 to 24% cold on this CPU, over the 10% the issue "
+        "asked; each scored row takes the output layer (Gemma-3's 262k-token vocabulary: about 11 ms "
+        "a row here), and the rest is not isolated.",
         [
             "floor_tasks/split.md",
             "floor_tune/report.md",

@@ -1,4 +1,4 @@
-"""What the shot exam costs a request (issue 60: at most 10% of its time, cold).
+"""What the shot exam costs a request (issue 60: at most 10% of its time, cold), and what bounds it.
 
 Each configuration runs in a fresh process: the bundled pair on llama.cpp, one method, the exam
 on or off; the first few-shot request after loading is the cold one, the next ones (other
@@ -45,6 +45,40 @@ def child(method: str, exam: bool, tasks: list[str]) -> dict:
     return {"cold_s": sum(cold), "warm_s": sum(warm), "fired": fired, "requests": len(times)}
 
 
+def rows_child(tasks: list[str]) -> dict:
+    """What bounds the exam: per member, a prompt's prefill with the exam's scored rows (each gets
+    the output layer) against the same prefill with its last row only, alternating, no stored
+    prompts reused (the prompts of the tasks, WARM + 1 of each)."""
+    from ensemble_llm import Ensemble
+    from ensemble_llm.bench import task_prompts
+    from ensemble_llm.evidence import _examined, answer_spans, span_groups
+
+    members = Ensemble(PAIR, method="specfuse").load().members
+    prompts = [p for t in tasks for p, _ in task_prompts(Path(t), 1 + WARM, "drawn")]
+    out = {}
+    for m in members:
+        m.prefixes.max_bytes = 0
+        plain = scored = 0.0
+        rows = 0
+        for p in prompts * 2:
+            ids = m.prompt_ids(p)
+            want = [q for g in _examined([span_groups(m, p, ids, answer_spans(p))])[0] for q in g]
+            for positions in ([], want) if rows % 2 == 0 else (want, []):
+                t0 = time.perf_counter()
+                m.score_prompt(ids, positions)
+                dt = time.perf_counter() - t0
+                m.forget_prompt(ids)
+                plain, scored = (plain + dt, scored) if not positions else (plain, scored + dt)
+            rows += len(want)
+        out[m.name] = {
+            "prompts": 2 * len(prompts),
+            "rows_per_prompt": round(rows / (2 * len(prompts)), 2),
+            "prefill_ms": round(1000 * plain / (2 * len(prompts)), 1),
+            "ms_per_scored_row": round(1000 * (scored - plain) / max(1, rows), 2),
+        }
+    return out
+
+
 def run_child(method: str, exam: bool, tasks: list[str]) -> dict:
     cmd = [sys.executable, __file__, "--child", method, str(int(exam)), "--tasks", *tasks]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -68,6 +102,16 @@ def markdown(record: dict) -> str:
         lines.append(
             f"| {m} | {r['cold_ratio_median']:.3f} | {r['warm_ratio_median']:.3f} | {pairs} | {fired} of {total} |"
         )
+    lines += [
+        "",
+        "What bounds it: a prompt's prefill with the exam's scored rows against the same prefill with "
+        "its last row only, per member (no stored prompt reused):",
+        "",
+        "| member | scored rows per prompt | prefill, last row only (ms) | each scored row (ms) |",
+        "|---|---|---|---|",
+    ]
+    for name, r in record.get("rows", {}).items():
+        lines.append(f"| {name} | {r['rows_per_prompt']} | {r['prefill_ms']} | {r['ms_per_scored_row']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -80,7 +124,10 @@ def main() -> None:
     ap.add_argument("--child", nargs=2, metavar=("METHOD", "EXAM"))
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1] == "1", args.tasks)))
+        if args.child[0] == "rows":
+            print(json.dumps(rows_child(args.tasks)))
+        else:
+            print(json.dumps(child(args.child[0], args.child[1] == "1", args.tasks)))
         return
     results = {}
     for method in args.methods:
@@ -95,7 +142,8 @@ def main() -> None:
             "cold_ratio_median": round(statistics.median(x["on"]["cold_s"] / x["off"]["cold_s"] for x in runs), 3),
             "warm_ratio_median": round(statistics.median(x["on"]["warm_s"] / x["off"]["warm_s"] for x in runs), 3),
         }
-    record = {"command": " ".join(sys.argv), "tasks": args.tasks, "pair": PAIR, "methods": results}
+    rows = run_child("rows", False, args.tasks)
+    record = {"command": " ".join(sys.argv), "tasks": args.tasks, "pair": PAIR, "methods": results, "rows": rows}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
