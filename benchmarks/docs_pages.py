@@ -43,9 +43,13 @@ STUDIES = {
         "tasks (three floor tasks, five where both members are competent) were scored once with the "
         "exam and copy test (`benchmarks/floor_report.py`), as were the two earlier outside floor tasks "
         "again, for the pooled floor figure. What the exam with the copy test costs a request, cold "
-        "and warm (`benchmarks/exam_cost.py`): 12 to 24% cold on this CPU, over the 10% the issue "
-        "asked; each scored row takes the output layer (Gemma-3's 262k-token vocabulary: about 11 ms "
-        "a row here), and the rest is not isolated.",
+        "and warm (`benchmarks/exam_cost.py`). Fresh processes differ by 10-20% here, so the first "
+        "request's ratio (1.01 to 1.17, medians of 5 rounds) is noisy. The paired figure runs the same "
+        "prompts whole with the exam on and off in one process: 1.05 (specfuse, the default), 1.09 "
+        "(safe) and 1.11 (unite), so unite is over the 10% the issue asked. What bounds it: each "
+        "decode that holds a scored row reads the whole output layer (Gemma-3's 262k-token vocabulary: "
+        "about 11 ms a row here), and a few-shot prompt's answers fall in two or three of the prompt's "
+        "decodes.",
         [
             "floor_tasks/split.md",
             "floor_tune/report.md",

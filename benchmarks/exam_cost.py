@@ -3,7 +3,10 @@
 Each configuration runs in a fresh process: the bundled pair on llama.cpp, one method, the exam
 on or off; the first few-shot request after loading is the cold one, the next ones (other
 examples of the same tasks) are warm. Rounds alternate on/off so drift hits both alike; the
-figure is the median of the per-round ratios on/off of the request's wall time.
+figure is the median of the per-round ratios on/off of the request's wall time. Fresh processes
+on this machine differ by 10-20% from each other, so a second, paired figure runs every prompt
+whole (no stored prompts) with the exam on and off in one process per method, in alternating
+order, and compares the same requests.
 
     python benchmarks/exam_cost.py --tasks /tmp/floor/capital_of.jsonl /tmp/dev/plural.jsonl \
         --rounds 3 --out benchmarks/results/exam_cost
@@ -45,6 +48,32 @@ def child(method: str, exam: bool, tasks: list[str]) -> dict:
     return {"cold_s": sum(cold), "warm_s": sum(warm), "fired": fired, "requests": len(times)}
 
 
+def paired_child(method: str, tasks: list[str], prompts_per_task: int) -> dict:
+    """Every prompt run whole (no stored prompts) twice in one process, exam on and off in
+    alternating order: paired per request, so the process-to-process drift of this machine
+    (10-20% between fresh processes) cancels. Requests where the exam fired (a member ran
+    alone) are counted apart: there it saves work instead of costing it."""
+    from ensemble_llm import Ensemble
+    from ensemble_llm.bench import task_prompts
+
+    cfg = {"exam": True, **({"n_particles": 4} if method == "smc" else {})}
+    eng = Ensemble(PAIR, method=method, config=cfg).load()
+    for m in eng.members:
+        m.prefixes.max_bytes = 0
+    prompts = [p for t in tasks for p, _ in task_prompts(Path(t), prompts_per_task, "drawn")]
+    pairs = []
+    for i, prompt in enumerate(prompts):
+        got = {}
+        for exam in (True, False) if i % 2 == 0 else (False, True):
+            eng._method.config.exam = exam
+            t0 = time.perf_counter()
+            res = eng.generate(prompt, raw=True, max_new_tokens=16, stop=["\n"])
+            got[exam] = (time.perf_counter() - t0, "solo" in res.stats)
+        pairs.append({"on_s": got[True][0], "off_s": got[False][0], "fired": got[True][1]})
+    eng.close()
+    return {"pairs": pairs}
+
+
 def rows_child(tasks: list[str]) -> dict:
     """What bounds the exam: per member, a prompt's prefill with the exam's scored rows (each gets
     the output layer) against the same prefill with its last row only, alternating, no stored
@@ -79,8 +108,9 @@ def rows_child(tasks: list[str]) -> dict:
     return out
 
 
-def run_child(method: str, exam: bool, tasks: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--child", method, str(int(exam)), "--tasks", *tasks]
+def run_child(method: str, exam: bool | str, tasks: list[str], per_task: int = 0) -> dict:
+    arg = exam if isinstance(exam, str) else str(int(exam))
+    cmd = [sys.executable, __file__, "--child", method, arg, "--tasks", *tasks, "--per-task", str(per_task)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -90,17 +120,22 @@ def markdown(record: dict) -> str:
         "# What the shot exam costs a request",
         "",
         f"`{record['command']}`: each configuration a fresh process; the first request after loading is "
-        "cold (its prompt runs whole), the next ones warm. Ratios: exam on over off, median of the rounds.",
+        "cold (its prompt runs whole), the next ones warm. Ratios: exam on over off, median of the rounds. "
+        "Paired: in one process per method, no stored prompts, every prompt run with the exam on and "
+        "off in alternating order; the ratio over the requests where the exam did not fire.",
         "",
-        "| method | cold, on/off | warm, on/off | cold seconds off, on (per round) | requests run alone (on) |",
-        "|---|---|---|---|---|",
+        "| method | cold, on/off | warm, on/off | cold seconds off, on (per round) | requests run alone (on) "
+        "| paired, every prompt whole: on/off (sum, median) | paired requests (fired) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m, r in record["methods"].items():
         pairs = ", ".join(f"{x['off']['cold_s']:.2f}/{x['on']['cold_s']:.2f}" for x in r["rounds"])
         fired = sum(x["on"]["fired"] for x in r["rounds"])
         total = sum(x["on"]["requests"] for x in r["rounds"])
+        n_fired = sum(x["fired"] for x in r["paired"])
         lines.append(
-            f"| {m} | {r['cold_ratio_median']:.3f} | {r['warm_ratio_median']:.3f} | {pairs} | {fired} of {total} |"
+            f"| {m} | {r['cold_ratio_median']:.3f} | {r['warm_ratio_median']:.3f} | {pairs} | {fired} of {total} "
+            f"| {r['paired_ratio']:.3f}, {r['paired_median']:.3f} | {len(r['paired'])} ({n_fired}) |"
         )
     lines += [
         "",
@@ -122,10 +157,13 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", nargs=2, metavar=("METHOD", "EXAM"))
+    ap.add_argument("--per-task", type=int, default=6, help="prompts per task in the paired run")
     args = ap.parse_args()
     if args.child:
         if args.child[0] == "rows":
             print(json.dumps(rows_child(args.tasks)))
+        elif args.child[0] == "paired":
+            print(json.dumps(paired_child(args.child[1], args.tasks, args.per_task)))
         else:
             print(json.dumps(child(args.child[0], args.child[1] == "1", args.tasks)))
         return
@@ -137,7 +175,12 @@ def main() -> None:
             pair = {exam: run_child(method, exam, args.tasks) for exam in order}
             runs.append({"off": pair[False], "on": pair[True]})
             print(method, r, json.dumps(runs[-1]), flush=True)
+        paired = run_child("paired", method, args.tasks, args.per_task)["pairs"]
+        quiet = [x for x in paired if not x["fired"]]
         results[method] = {
+            "paired": paired,
+            "paired_ratio": round(sum(x["on_s"] for x in quiet) / sum(x["off_s"] for x in quiet), 3),
+            "paired_median": round(statistics.median(x["on_s"] / x["off_s"] for x in quiet), 3),
             "rounds": runs,
             "cold_ratio_median": round(statistics.median(x["on"]["cold_s"] / x["off"]["cold_s"] for x in runs), 3),
             "warm_ratio_median": round(statistics.median(x["on"]["warm_s"] / x["off"]["warm_s"] for x in runs), 3),
