@@ -31,6 +31,7 @@ from .pipeline import make_result, member_prompts, run_method
 from .placement import plan_placement, resolve_max_batch
 from .requests import Job, Settings, make_job, member_entries
 from .results import GenerationResult
+from .scoring import Score, ScoreResult, check_continuations, run_score
 from .sharing import SHARED_ENGINES
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
 from .tools import tool_policy
@@ -167,6 +168,8 @@ class Ensemble:
                     )
                 method = self.method_class(members, self.config)
                 method.check_members()
+                # each token byte table (the shot exam, alignment, smc, grammars) read now, not in the first request
+                _ = [m.vocab_bytes for m in members]
                 self._members, self._method = members, method
                 for kind in ("chat", "raw"):  # "auto" weights: calibrated (or read from the cache) now
                     self.member_weights(kind)
@@ -320,6 +323,21 @@ class Ensemble:
         """`stream` for asyncio: `async for delta in engine.astream(...)`."""
         return self._open(self._job(prompt, params, settings), async_channel())
 
+    def score(
+        self, prompt: str | list[dict], continuations: Sequence[str], *, raw: bool = True, timeout: float | None = None
+    ) -> list[Score]:
+        """Each continuation's log-likelihood after `prompt` under the ensemble, each member's own,
+        and per token of the main member (scoring.py; docs/scoring.md). Continuations that begin
+        alike share their work; the members' prompts are prefilled once. `raw=True` (the
+        default): the prompt is plain text, as in log-likelihood benchmarks; `raw=False`: chat
+        messages, the continuation being the reply."""
+        job = self._job(prompt, None, {"raw": raw, "timeout": timeout})
+        job.scoring, job.shows_text = check_continuations(continuations), False
+        stream = self._open(job, sync_channel())
+        for _ in stream:
+            pass
+        return stream.result.scores
+
     def _open(self, job: Job, channel) -> TextStream:
         sink, cancel, stream = channel
         self._worker.submit(job, sink, cancel)
@@ -337,7 +355,11 @@ class Ensemble:
         return make_job(prompt, params, dict(settings), self.method_class, self.config)
 
     # ---- one request: a pipeline of named steps --------------------------------------------------
-    def _execute(self, job: Job, emit: Callable[[str], None], cancel: threading.Event) -> GenerationResult:
+    def _execute(
+        self, job: Job, emit: Callable[[str], None], cancel: threading.Event
+    ) -> GenerationResult | ScoreResult:
+        if job.scoring is not None:
+            return run_score(self, job)
         t0 = time.perf_counter()
         before = [m.counters() for m in self.members]
         out, choice, retried = Output(emit, t0), job.params.tool_choice, None

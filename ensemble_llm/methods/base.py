@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -167,6 +167,15 @@ class Method(abc.ABC):
     def solo_weight(self) -> float | None:
         """The weight at which one member runs alone (config `solo`; None: always ensemble)."""
         return getattr(self.config, "solo", None)
+
+    def scoring_f(
+        self, weights: Sequence[float], prior: Sequence[float], aside: Sequence[int]
+    ) -> tuple[float, list[float]]:
+        """How `Ensemble.score` combines the members' byte-level probabilities for this method
+        (scoring.py): the power of the weighted mean and the member weights, given the request's
+        weights, the prior and the members the shot exam stepped aside. By default the mixture
+        of the request's weights (unite and safe average the members' probabilities)."""
+        return 1.0, list(weights)
 
     @abc.abstractmethod
     def run(self, req: Request) -> Iterator[str]:

@@ -392,17 +392,28 @@ class Smc(Method):
                 f"truncation is not supported (got top_p={top_p}); leave top_p at 1"
             )
 
+    def exponents(
+        self, weights: Sequence[float] | None, prior: Sequence[float] | None, aside: Sequence[int]
+    ) -> list[float] | None:
+        """The member weights of the mean. With weights="auto", the product's exponents are equal
+        unless the prior gives one member DOMINANT: the request's weights (a posterior over which
+        member knows the task, evidence.py) chose the main member and whether one runs alone
+        (`solo`), but as exponents they made the product follow one member (suite, 301 examples:
+        96-98 correct against 103 with equal exponents; README). A member the shot exam stepped
+        aside keeps its floor weight."""
+        cfg = self.config
+        if cfg.weights == "auto" and cfg.power == 0.0 and max(prior or weights or [1.0]) < DOMINANT:
+            live = len(self.members) - len(aside)
+            return [FLOOR if k in aside else 1.0 / live for k in range(len(self.members))]
+        return None if weights is None else list(weights)
+
+    def scoring_f(self, weights, prior, aside) -> tuple[float, list[float]]:
+        return self.config.power, self.exponents(weights, prior, aside) or [1.0] * len(self.members)
+
     def run(self, req: Request) -> Iterator[str]:
         cfg = self.config
         self.check_request(cfg, temperature=req.temperature, top_p=req.top_p)
-        if cfg.weights == "auto" and cfg.power == 0.0 and max(req.prior or req.weights or [1.0]) < DOMINANT:
-            # the product's exponents are equal: the request's weights (a posterior over which
-            # member knows the task, evidence.py) chose the main member and whether one runs
-            # alone (`solo`), but as exponents they made the product follow one member
-            # (suite, 301 examples: 96-98 correct against 103 with equal exponents; README)
-            # (a member the shot exam stepped aside keeps its floor weight)
-            live = len(self.members) - len(req.aside)
-            req.weights = [FLOOR if k in req.aside else 1.0 / live for k in range(len(self.members))]
+        req.weights = self.exponents(req.weights, req.prior, req.aside)
         # temperature 0 (greedy elsewhere): the mode of the untempered ensemble by beam search, or
         # (greedy="sample") one SMC sample with a fixed seed; temperature > 0 tempers every member.
         temperature = req.temperature if req.temperature > 0 else 1.0

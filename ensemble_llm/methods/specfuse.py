@@ -156,6 +156,9 @@ class SpecFuse(Method):
     def main_member(self) -> int | None:
         return None  # the strongest member counts the budget
 
+    def scoring_f(self, weights, prior, aside) -> tuple[float, list[float]]:
+        return 0.0, list(weights)  # a segment's score adds the members' weighted log-probabilities: the product
+
     # ---- one member's draft --------------------------------------------------------------
     def _draft(
         self,

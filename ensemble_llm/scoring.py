@@ -1,0 +1,210 @@
+"""The ensemble as a scorer: the log-probability of a text after a prompt (`Ensemble.score`).
+
+Definition (docs/scoring.md). Member k's probability of the continuation's bytes x is P_k(x),
+its byte-level probability marginalised over its tokenizations from the prompt's tokens on
+(`members/bytelm.py`; exact up to the byte LM's beam of tokenizations). The ensemble's next-byte
+distribution is
+
+    q(b | x) = psi(x b) / sum_b' psi(x b'),   psi = f(P_1, ..., P_K) with the member weights,
+
+over 256 bytes and the end of text, where f is the method's weighted power mean
+(`Method.scoring_power`: the mixture for unite and safe, which average probabilities; the
+product for specfuse, whose segment scores add log-probabilities; smc's own f). That is smc's
+proposal. The ensemble's log-probability of x is sum_i log q(x_i | x_<i): a distribution over
+texts whatever the tokenizers, and with one member exactly that member's P(x), since the ratios
+telescope.
+
+Every continuation is scored byte by byte on a trie of the continuations: a prefix they share is
+computed once, and each byte step asks every member once for all the prefixes at that depth (one
+batched forward per member for all new token contexts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import ContextLengthError, RequestError
+from .methods.smc import f_ensemble
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class ByteSteps:
+    """Per byte of one continuation: the ensemble's log q(x_i | x_<i) and each member's own
+    log p_k(x_i | x_<i) (its byte-level conditional)."""
+
+    ensemble: list[float] = field(default_factory=list)
+    members: list[list[float]] = field(default_factory=list)  # [K][bytes]
+
+
+@dataclass
+class TokenLogprob:
+    """One token of the main member's tokenization of the continuation: its text and bytes, the
+    ensemble's log-probability of those bytes, each member's, and the best other tokens."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+    members: dict[str, float]
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Score:
+    """One continuation's log-likelihood after the prompt: the ensemble's, each member's own
+    (byte-level, marginalised over its tokenizations), and per token of the main member."""
+
+    text: str
+    logprob: float
+    members: dict[str, float]
+    tokens: list[TokenLogprob]
+    greedy: bool  # every byte was the ensemble's most probable next byte
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "logprob": self.logprob,
+            "members": self.members,
+            "greedy": self.greedy,
+            "tokens": [
+                {"token": t.token, "bytes": list(t.bytes), "logprob": t.logprob, "members": t.members, "top": t.top}
+                for t in self.tokens
+            ],
+        }
+
+
+def byte_steps(
+    lms: Sequence[Any], starts: Sequence[Any], texts: Sequence[bytes], tau: float, weights: Sequence[float]
+) -> tuple[list[ByteSteps], list[list[bool]]]:
+    """Every text's ByteSteps after the prompt (the byte LMs' `starts`), and per byte whether it
+    was the ensemble's argmax. Prefixes the texts share are computed once; each depth is one
+    `next_logprobs` per member for all its prefixes."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    K = len(lms)
+    frontier: dict[bytes, tuple[list[Any], np.ndarray]] = {b"": (list(starts), np.zeros(K))}
+    step_of: dict[bytes, tuple[float, np.ndarray, bool]] = {}  # prefix + byte -> its step
+    for depth in range(max((len(t) for t in texts), default=0)):
+        rows = sorted({t[:depth] for t in texts if len(t) > depth})
+        asks = [lm.next_logprobs_async([frontier[x][0][k] for x in rows]) for k, lm in enumerate(lms)]
+        logq = np.stack([a.get() for a in asks], axis=1)  # [rows, K, 257]
+        following: dict[bytes, tuple[list[Any], np.ndarray]] = {}
+        for r, x in enumerate(rows):
+            states, lp = frontier[x]
+            joint = lp[:, None] + logq[r]  # [K, 257]: log P_k(x b)
+            psi = f_ensemble(joint, tau, w, axis=0)  # [257]: log psi(x b)
+            total = np.logaddexp.reduce(psi)
+            for b in sorted({t[depth] for t in texts if len(t) > depth and t[:depth] == x}):
+                ens = float(psi[b] - total) if np.isfinite(total) else NEG_INF
+                step_of[x + bytes([b])] = (ens, logq[r, :, b].copy(), bool(psi[b] >= psi.max()))
+                following[x + bytes([b])] = ([lm.advance(s, b) for lm, s in zip(lms, states)], joint[:, b].copy())
+        frontier = following
+        for k, lm in enumerate(lms):  # contexts no live prefix stands on are freed (llama.cpp sequences)
+            lm.compact([states[k] for states, _ in frontier.values()])
+    out, argmax = [], []
+    for t in texts:
+        steps = [step_of[t[: i + 1]] for i in range(len(t))]
+        out.append(ByteSteps([s[0] for s in steps], [[float(s[1][k]) for s in steps] for k in range(K)]))
+        argmax.append([s[2] for s in steps])
+    return out, argmax
+
+
+def token_spans(member: Any, text: str) -> list[tuple[int, int, int]]:
+    """(token id, first byte, end byte) of each token of `member`'s canonical tokenization of
+    `text` (a continuation: no special tokens), in the text's UTF-8 bytes."""
+    ids, ends = member.encode_with_offsets(text)
+    out, start = [], 0
+    for tok, end in zip(ids, ends):
+        out.append((tok, start, end))
+        start = end
+    return out
+
+
+def score_of(text: str, steps: ByteSteps, argmax: list[bool], members: Sequence[Any], main: int) -> Score:
+    """One continuation's Score from its byte steps: sums over the whole text and over each of the
+    main member's tokens (a token's bytes get the steps of those bytes)."""
+    names = _names(members)
+    tokens = []
+    for tok, a, b in token_spans(members[main], text):
+        tokens.append(
+            TokenLogprob(
+                token=members[main].decode([tok], skip_special_tokens=False),
+                bytes=text.encode("utf-8")[a:b],
+                logprob=float(sum(steps.ensemble[a:b])),
+                members={n: float(sum(steps.members[k][a:b])) for k, n in enumerate(names)},
+            )
+        )
+    return Score(
+        text=text,
+        logprob=float(sum(steps.ensemble)),
+        members={n: float(sum(s)) for n, s in zip(names, steps.members)},
+        tokens=tokens,
+        greedy=all(argmax),
+    )
+
+
+def _names(members: Sequence[Any]) -> list[str]:
+    """Member names, made unique (two members may share a model)."""
+    names = [m.name for m in members]
+    return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
+# ---- a scoring request -----------------------------------------------------------------------
+SCORE_BEAM = 5  # tokenization hypotheses per member and prefix (smc's default)
+SCORE_PRUNE = 1e-3  # and none below this fraction of the best one (smc's default)
+
+
+@dataclass
+class ScoreResult:
+    """What a scoring request returns through the worker: the scores and the request's figures."""
+
+    scores: list[Score]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def check_continuations(continuations: Any) -> tuple[str, ...]:
+    """The continuations to score: a non-empty list of strings."""
+    if isinstance(continuations, str) or not isinstance(continuations, (list, tuple)) or not continuations:
+        raise RequestError(
+            f"continuations must be a non-empty list of strings, got {continuations!r}; "
+            "score one text with continuations=[text]"
+        )
+    for i, c in enumerate(continuations):
+        if not isinstance(c, str):
+            raise RequestError(f"continuation {i} must be a string, got {type(c).__name__}")
+    return tuple(continuations)
+
+
+def run_score(engine: Any, job: Any) -> ScoreResult:
+    """Score `job.scoring` after `job.prompt` (see the module): each member's prompt as a request
+    of that kind would have it, the request's member weights (evidence.py: the shot exam and the
+    evidence of a few-shot prompt), the method's f, then every continuation byte by byte."""
+    from .evidence import request_weights
+    from .pipeline import member_prompts
+
+    members, method, conts = engine.members, engine._method, job.scoring
+    texts, _ = member_prompts(engine, job, job.params.tool_choice)
+    prior, main = engine.member_weights("raw" if job.params.raw else "chat")
+    prompt_ids = [m.prompt_ids(t) for m, t in zip(members, texts)]
+    for m, ids in zip(members, prompt_ids):
+        longest = max(len(m.encode(c)) for c in conts)
+        if len(ids) + longest >= m.context_window:
+            raise ContextLengthError(
+                f"the prompt and the longest continuation are {len(ids) + longest} tokens for {m.name}, whose "
+                f"context window is {m.context_window}; shorten them or drop that member."
+            )
+    notes: dict[str, Any] = {}
+    weights, main, aside = request_weights(
+        method, members, job.prompt, job.params.raw, texts, prompt_ids, list(prior), main, notes
+    )
+    tau, w = method.scoring_f(weights, prior, aside)
+    lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0) for m in members]
+    starts = [lm.start(ids) for lm, ids in zip(lms, prompt_ids)]
+    steps, argmax = byte_steps(lms, starts, [c.encode("utf-8") for c in conts], tau, w)
+    scores = [score_of(c, s, a, members, main) for c, s, a in zip(conts, steps, argmax)]
+    stats = {"weights": [round(x, 4) for x in w], "power": tau, "main": members[main].name, **notes}
+    return ScoreResult(scores, stats)

@@ -1,0 +1,161 @@
+"""The ensemble as a scorer (scoring.py): byte steps against the definition on byte LMs whose
+distributions are tables, against enumeration of every tokenization on tiny random-weight
+members with the real tokenizers, and `Ensemble.score` end to end."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_smc import TableLM
+
+from ensemble_llm import Ensemble, RequestError
+from ensemble_llm.members.bytelm import EOS, ByteLM, byte_trie
+from ensemble_llm.methods.smc import f_ensemble
+from ensemble_llm.scoring import byte_steps, token_spans
+
+TAUS = {"product": 0.0, "mixture": 1.0, "min": -math.inf, "power2": 2.0}
+
+
+def definition(lms, x: bytes, tau: float, w) -> tuple[list[float], np.ndarray]:
+    """log q(x_i | x_<i) straight from the definition: P_k(x_<i b) for every slot, their power
+    mean, normalised over the 257 slots; and each member's own conditional [K, len(x)]."""
+    w = np.asarray(w, float) / np.sum(w)
+    ens, own = [], []
+    for i in range(len(x)):
+        logq = np.stack([lm.logq(x[:i]) for lm in lms])  # [K, 257]
+        prefix = np.array([sum(lm.logq(x[:j])[x[j]] for j in range(i)) for lm in lms])
+        psi = f_ensemble(prefix[:, None] + logq, tau, w, axis=0)
+        ens.append(float(psi[x[i]] - np.logaddexp.reduce(psi)))
+        own.append(logq[:, x[i]])
+    return ens, np.array(own).T
+
+
+@pytest.mark.parametrize("tau", TAUS.values(), ids=TAUS.keys())
+def test_byte_steps_follow_the_definition(tau):
+    lms = [TableLM(s, L=6) for s in (1, 2, 3)]
+    w = [0.2, 0.3, 0.5]
+    texts = [b"abba", b"abab", b"b", b"abbaab"]  # shared prefixes: computed once, the same figures
+    steps, argmax = byte_steps(lms, [b""] * 3, texts, tau, w)
+    for x, s, top in zip(texts, steps, argmax):
+        ens, own = definition(lms, x, tau, w)
+        assert np.allclose(s.ensemble, ens, atol=1e-12)
+        assert np.allclose(np.array(s.members), own, atol=1e-12)
+        assert len(top) == len(x)
+    alone, _ = byte_steps(lms, [b""] * 3, [b"abbaab"], tau, w)
+    assert alone[0].ensemble == steps[3].ensemble
+
+
+def test_one_member_scores_its_own_probability():
+    """The ratios telescope: with one member the ensemble's figure is that member's P(x)."""
+    lm = TableLM(7, L=6)
+    for tau in TAUS.values():
+        (s,), _ = byte_steps([lm], [b""], [b"abbab"], tau, [1.0])
+        assert abs(sum(s.ensemble) - sum(s.members[0])) < 1e-12
+
+
+def test_greedy_marks_the_argmax_bytes():
+    lms = [TableLM(s, L=4) for s in (4, 5)]
+    w = np.array([0.5, 0.5])
+    for x in (b"ab", b"ba", b"aab"):
+        (_,), (top,) = byte_steps(lms, [b""] * 2, [x], 1.0, w)
+        for i in range(len(x)):
+            prefix = np.array([sum(lm.logq(x[:j])[x[j]] for j in range(i)) for lm in lms])
+            psi = f_ensemble(prefix[:, None] + np.stack([lm.logq(x[:i]) for lm in lms]), 1.0, w, axis=0)
+            assert top[i] == (int(np.argmax(psi)) == x[i])
+
+
+# ---- tiny members with the real tokenizers, against every tokenization ------------------------
+def brute_next_bytes(m, prompt: list[int], x: bytes) -> np.ndarray:
+    """log P(x b) for the 256 bytes and the end of text, summed over every tokenization of x
+    (full forwards, no cache, no beam): each context spelling x[:j] exactly, then a token that
+    spells x[j:] and goes on with b (specials left out, EOS kept, renormalised as the byte LM)."""
+    trie = byte_trie(m)
+    vb = m.vocab_bytes
+    order = [int(t) for t in trie.order]
+    out = np.zeros(257)
+
+    def dist(ctx):
+        lg = m.forward_batch([prompt + ctx])[0][-1].double()
+        return lg - torch.logsumexp(torch.cat([lg[trie.order], lg[trie.eos]]), 0)
+
+    @functools.cache
+    def tokens(rest: bytes) -> tuple[list, list]:
+        """(tokens spelling rest and going on, with their next byte), (tokens that begin rest)."""
+        going = [(t, vb[t][len(rest)]) for t in order if len(vb[t]) > len(rest) and vb[t].startswith(rest)]
+        return going, [t for t in order if vb[t] and len(vb[t]) <= len(rest) and rest.startswith(vb[t])]
+
+    def rec(ctx, j, logp):
+        lp = dist(ctx).numpy()
+        going, starting = tokens(x[j:])
+        for t, b in going:
+            out[b] += math.exp(logp + lp[t])
+        if j == len(x):
+            out[EOS] += sum(math.exp(logp + lp[int(e)]) for e in trie.eos)
+        for t in starting:
+            rec(ctx + [t], j + len(vb[t]), logp + lp[t])
+
+    rec([], 0, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.log(out)
+
+
+@pytest.mark.parametrize("tau", [0.0, 1.0], ids=["product", "mixture"])
+def test_tiny_pair_against_every_tokenization(tiny_members, tau):
+    members = [tiny_members["smol"], tiny_members["gemma"]]
+    prompts = [m.prompt_ids("Hello") for m in members]
+    x, w = b" the", np.array([0.4, 0.6])
+    lms = [ByteLM(m, beam_width=1000) for m in members]
+    (s,), _ = byte_steps(lms, [lm.start(p) for lm, p in zip(lms, prompts)], [x], tau, w)
+    for i in range(len(x)):
+        joint = np.stack([brute_next_bytes(m, p, x[:i]) for m, p in zip(members, prompts)])  # [K, 257]
+        psi = f_ensemble(joint, tau, w, axis=0)
+        assert abs(s.ensemble[i] - (psi[x[i]] - np.logaddexp.reduce(psi))) < 1e-6
+        prefix = np.logaddexp.reduce(joint, axis=1)  # P_k(x[:i]) = sum over the next slot
+        assert np.allclose([s.members[k][i] for k in range(2)], joint[:, x[i]] - prefix, atol=1e-6)
+
+
+# ---- Ensemble.score end to end ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair(tiny_dirs):
+    with Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="unite") as eng:
+        yield eng
+
+
+def test_score_end_to_end(pair, tiny_dirs):
+    prompt, conts = "The capital of France is", [" Paris", " Par", " Lyon"]
+    got = pair.score(prompt, conts)
+    assert [s.text for s in got] == conts
+    names = [m.name for m in pair.members]
+    for s in got:
+        assert math.isclose(s.logprob, sum(t.logprob for t in s.tokens), abs_tol=1e-9)
+        assert b"".join(t.bytes for t in s.tokens) == s.text.encode()
+        assert sorted(s.members) == sorted(names)
+        for name, lp in s.members.items():
+            assert math.isclose(lp, sum(t.members[name] for t in s.tokens), abs_tol=1e-9)
+        assert s.logprob < 0 and all(v < 0 for v in s.members.values())
+    # each member's figure is what that member alone gives the same text
+    for k, key in enumerate(("smol", "gemma")):
+        with Ensemble([tiny_dirs[key]], method="single") as one:
+            alone = one.score(prompt, conts)
+        for s, a in zip(got, alone):
+            assert abs(a.logprob - s.members[names[k]]) < 1e-4
+            assert abs(a.logprob - a.members[names[k]]) < 1e-9  # one member: its own figure
+
+
+def test_bad_continuations_leave_the_engine_usable(pair):
+    for bad in ("Paris", [], [1, 2], None):
+        with pytest.raises(RequestError, match="continuation"):
+            pair.score("The capital of France is", bad)
+    assert pair.score("Hi", [" there"])[0].logprob < 0
+
+
+def test_token_spans_cover_the_text(tiny_members):
+    m = tiny_members["smol"]
+    text = " naïve café"
+    spans = token_spans(m, text)
+    assert spans[0][1] == 0 and spans[-1][2] == len(text.encode())
+    assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
