@@ -49,7 +49,7 @@ class Job:
     params: GenerationParams
     submitted: float = field(default_factory=time.perf_counter)  # the timeout counts from here
     shows_text: bool = True  # a stream's deltas reach the caller; generate() only keeps the result
-    scoring: tuple[str, ...] | None = None  # continuations to score after the prompt (scoring.py), not a generation
+    scoring: Any = None  # a scoring.Scoring: continuations to score after the prompt, not a generation
 
     @property
     def head(self) -> str:

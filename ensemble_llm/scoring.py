@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from .errors import ContextLengthError, RequestError
 from .methods.smc import f_ensemble
@@ -113,29 +114,54 @@ def byte_steps(
     return out, argmax
 
 
-def token_spans(member: Any, text: str) -> list[tuple[int, int, int]]:
-    """(token id, first byte, end byte) of each token of `member`'s canonical tokenization of
-    `text` (a continuation: no special tokens), in the text's UTF-8 bytes."""
-    ids, ends = member.encode_with_offsets(text)
+def token_spans(member: Any, text: str, ids: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """(token id, first byte, end byte) of each token of `text` in its UTF-8 bytes: `ids` (the
+    member's tokens for it, checked to spell it) or the member's canonical tokenization."""
+    if ids is None:
+        ids, ends = member.encode_with_offsets(text)
+    else:
+        vb, ends, pos = member.vocab_bytes, [], 0
+        for t in ids:
+            if not 0 <= int(t) < len(vb):
+                raise RequestError(f"token id {t} is outside {member.name}'s vocabulary (0..{len(vb) - 1})")
+            pos += len(vb[int(t)])
+            ends.append(pos)
+        if b"".join(vb[int(t)] for t in ids) != text.encode("utf-8"):
+            raise RequestError(f"the token ids do not spell the text in {member.name}'s vocabulary")
     out, start = [], 0
     for tok, end in zip(ids, ends):
-        out.append((tok, start, end))
+        out.append((int(tok), start, end))
         start = end
     return out
 
 
-def score_of(text: str, steps: ByteSteps, argmax: list[bool], members: Sequence[Any], main: int) -> Score:
-    """One continuation's Score from its byte steps: sums over the whole text and over each of the
-    main member's tokens (a token's bytes get the steps of those bytes)."""
-    names = _names(members)
-    tokens = []
-    for tok, a, b in token_spans(members[main], text):
+def token_text(data: bytes) -> str:
+    """A token's bytes as text; bytes that are not whole UTF-8 characters as 'bytes:\\xNN' (vLLM's form)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def score_of(
+    text: str,
+    steps: ByteSteps,
+    argmax: list[bool],
+    names: Sequence[str],
+    spans: list[tuple[int, int, int]],
+    tops: list[list[tuple[str, float]]] | None = None,
+) -> Score:
+    """One continuation's Score from its byte steps: sums over the whole text and over each token
+    of `spans` (a token's bytes get the steps of those bytes), with its alternatives `tops`."""
+    data, tokens = text.encode("utf-8"), []
+    for j, (_, a, b) in enumerate(spans):
         tokens.append(
             TokenLogprob(
-                token=members[main].decode([tok], skip_special_tokens=False),
-                bytes=text.encode("utf-8")[a:b],
+                token=token_text(data[a:b]),
+                bytes=data[a:b],
                 logprob=float(sum(steps.ensemble[a:b])),
                 members={n: float(sum(steps.members[k][a:b])) for k, n in enumerate(names)},
+                top=tops[j] if tops else [],
             )
         )
     return Score(
@@ -156,6 +182,20 @@ def _names(members: Sequence[Any]) -> list[str]:
 # ---- a scoring request -----------------------------------------------------------------------
 SCORE_BEAM = 5  # tokenization hypotheses per member and prefix (smc's default)
 SCORE_PRUNE = 1e-3  # and none below this fraction of the best one (smc's default)
+MAX_TOP = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a scoring request asks (`Job.scoring`): the continuations; optionally the prompt whose
+    shown answers set the member weights (default: the prompt itself), each continuation's tokens
+    in the reporting member's vocabulary (default: its canonical ones), and how many alternatives
+    per token to score (the reporting member's most probable next tokens)."""
+
+    continuations: tuple[str, ...]
+    weigh: Any = None
+    token_ids: tuple[tuple[int, ...] | None, ...] | None = None
+    top: int = 0
 
 
 @dataclass
@@ -182,14 +222,37 @@ def check_continuations(continuations: Any) -> tuple[str, ...]:
 def run_score(engine: Any, job: Any) -> ScoreResult:
     """Score `job.scoring` after `job.prompt` (see the module): each member's prompt as a request
     of that kind would have it, the request's member weights (evidence.py: the shot exam and the
-    evidence of a few-shot prompt), the method's f, then every continuation byte by byte."""
-    from .evidence import request_weights
+    evidence of a few-shot prompt), the method's f, then every continuation (and alternative)
+    byte by byte. Tokens are reported in the engine's main member for this kind of prompt."""
+    members, sc = engine.members, job.scoring
+    prior, main = engine.member_weights("raw" if job.params.raw else "chat")
+    texts, prompt_ids = _prompts(engine, job)
+    _check_window(members, prompt_ids, sc.continuations)
+    tau, w, notes = _combination(engine, job, prior, main, texts, prompt_ids)
+    spans = [
+        token_spans(members[main], c, None if sc.token_ids is None else sc.token_ids[i])
+        for i, c in enumerate(sc.continuations)
+    ]
+    datas = [c.encode("utf-8") for c in sc.continuations]
+    alts = _alternatives(members[main], prompt_ids[main], spans, datas, sc.top) if sc.top else []
+    lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0) for m in members]
+    starts = [lm.start(ids) for lm, ids in zip(lms, prompt_ids)]
+    steps, argmax = byte_steps(lms, starts, datas + [a[3] for a in alts], tau, w)
+    names = _names(members)
+    tops = _tops(len(datas), spans, datas, alts, steps, sc.top)
+    scores = [score_of(c, steps[i], argmax[i], names, spans[i], tops[i]) for i, c in enumerate(sc.continuations)]
+    stats = {"weights": [round(x, 4) for x in w], "power": tau, "tokens_of": members[main].name, **notes}
+    return ScoreResult(scores, stats)
+
+
+def _prompts(engine: Any, job: Any) -> tuple[list[str], list[list[int]]]:
     from .pipeline import member_prompts
 
-    members, method, conts = engine.members, engine._method, job.scoring
     texts, _ = member_prompts(engine, job, job.params.tool_choice)
-    prior, main = engine.member_weights("raw" if job.params.raw else "chat")
-    prompt_ids = [m.prompt_ids(t) for m, t in zip(members, texts)]
+    return texts, [m.prompt_ids(t) for m, t in zip(engine.members, texts)]
+
+
+def _check_window(members: Sequence[Any], prompt_ids: list[list[int]], conts: Sequence[str]) -> None:
     for m, ids in zip(members, prompt_ids):
         longest = max(len(m.encode(c)) for c in conts)
         if len(ids) + longest >= m.context_window:
@@ -197,14 +260,69 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
                 f"the prompt and the longest continuation are {len(ids) + longest} tokens for {m.name}, whose "
                 f"context window is {m.context_window}; shorten them or drop that member."
             )
-    notes: dict[str, Any] = {}
-    weights, main, aside = request_weights(
-        method, members, job.prompt, job.params.raw, texts, prompt_ids, list(prior), main, notes
+
+
+def _combination(engine, job, prior, main, texts, prompt_ids) -> tuple[float, list[float], dict]:
+    """(power of the mean, member weights, findings): the request's weights from the prompt that
+    weighs (`Scoring.weigh`, else the prompt), combined as the method combines members."""
+    import dataclasses
+
+    from .evidence import request_weights
+
+    members, method, notes = engine.members, engine._method, {}
+    if job.scoring.weigh is not None:
+        weigh = dataclasses.replace(job, prompt=job.scoring.weigh)
+        texts, prompt_ids = _prompts(engine, weigh)
+    else:
+        weigh = job
+    weights, _, aside = request_weights(
+        method, members, weigh.prompt, job.params.raw, texts, prompt_ids, list(prior), main, notes
     )
     tau, w = method.scoring_f(weights, prior, aside)
-    lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0) for m in members]
-    starts = [lm.start(ids) for lm, ids in zip(lms, prompt_ids)]
-    steps, argmax = byte_steps(lms, starts, [c.encode("utf-8") for c in conts], tau, w)
-    scores = [score_of(c, s, a, members, main) for c, s, a in zip(conts, steps, argmax)]
-    stats = {"weights": [round(x, 4) for x in w], "power": tau, "main": members[main].name, **notes}
-    return ScoreResult(scores, stats)
+    return tau, w, notes
+
+
+def _alternatives(member, prompt_ids, spans, datas, k: int) -> list[tuple[int, int, int, bytes]]:
+    """(continuation, token index, candidate id, text to score) for the member's k most probable
+    tokens at each token of each continuation, other than the token there (its own distribution,
+    one forward over the continuation's tokens)."""
+    out, vb, special = [], member.vocab_bytes, member.special_ids
+    state = member.prefill(prompt_ids)
+    first = state.next_logprobs
+    for c, (sp, data) in enumerate(zip(spans, datas)):
+        ids = [t for t, _, _ in sp]
+        with member.scratch(state):
+            rows = member.extend(state, ids) if ids else None
+        for j, (tok, a, _) in enumerate(sp):
+            row = first if j == 0 else rows[j - 1]
+            picked = 0
+            for cand in torch.topk(row, min(len(row), k + 8)).indices.tolist():
+                if picked == k:
+                    break
+                if cand in special or not vb[cand]:
+                    continue
+                picked += 1
+                if cand != tok:
+                    out.append((c, j, cand, data[:a] + vb[cand]))
+    member.forget_prompt(prompt_ids)
+    return out
+
+
+def _tops(n, spans, datas, alts, steps, k: int) -> list[list[list[tuple[str, float]]] | None]:
+    """Per continuation and token: the k best of the token there and its alternatives, by the
+    ensemble's log-probability of their bytes (the token there always listed)."""
+    if not k:
+        return [None] * n
+    found: dict[tuple[int, int], list[tuple[str, float]]] = {}
+    for i, (c, j, _, text) in enumerate(alts):
+        a = spans[c][j][1]
+        found.setdefault((c, j), []).append((token_text(text[a:]), float(sum(steps[n + i].ensemble[a:]))))
+    out = []
+    for c in range(n):
+        per = []
+        for j, (_, a, b) in enumerate(spans[c]):
+            here = (token_text(datas[c][a:b]), float(sum(steps[c].ensemble[a:b])))
+            best = sorted(found.get((c, j), []) + [here], key=lambda x: -x[1])[:k]
+            per.append(best if here in best else best + [here])
+        out.append(per)
+    return out

@@ -4,6 +4,7 @@ members with the real tokenizers, and `Ensemble.score` end to end."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 
@@ -159,3 +160,37 @@ def test_token_spans_cover_the_text(tiny_members):
     spans = token_spans(m, text)
     assert spans[0][1] == 0 and spans[-1][2] == len(text.encode())
     assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+
+
+def test_alternatives_are_scored_as_their_own_texts(pair):
+    prompt, text = "The capital of France is", " Paris is big"
+    (s,) = pair.score(prompt, [text], top=2)
+    data, at = text.encode(), 0
+    for t in s.tokens:
+        here = (t.token, t.logprob)
+        assert here in t.top and len(t.top) in (2, 3)
+        assert [lp for _, lp in t.top[:2]] == sorted((lp for _, lp in t.top[:2]), reverse=True)
+        for tok, lp in t.top:
+            if (tok, lp) == here:
+                continue
+            before, after = pair.score(prompt, [data[:at].decode(), data[:at].decode() + tok])
+            assert abs(after.logprob - before.logprob - lp) < 1e-5
+        at += len(t.bytes)
+
+
+def test_given_token_ids_split_the_report(pair):
+    from ensemble_llm.scoring import Scoring
+
+    main = pair.members[pair.member_weights("raw")[1]]
+    text = " Paris"
+    odd = [t for piece in (" Pa", "ris") for t in main.encode(piece)]
+    assert odd != main.encode(text)
+    res = asyncio.run(pair.ascore("The capital of France is", Scoring((text,), token_ids=(tuple(odd),))))
+    (s,) = res.scores
+    assert [t.bytes for t in s.tokens] == [main.vocab_bytes[i] for i in odd]
+    (plain,) = pair.score("The capital of France is", [text])
+    assert abs(s.logprob - plain.logprob) < 1e-9  # the same bytes: the split only reports
+    with pytest.raises(RequestError, match="do not spell"):
+        asyncio.run(pair.ascore("Hi", Scoring((text,), token_ids=(tuple(odd[:-1]),))))
+    with pytest.raises(RequestError, match="top must be"):
+        pair.score("Hi", [text], top=99)
