@@ -235,7 +235,8 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
     ]
     datas = [c.encode("utf-8") for c in sc.continuations]
     alts = _alternatives(members[main], prompt_ids[main], spans, datas, sc.top) if sc.top else []
-    lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0) for m in members]
+    # keep_fresh: a token may always end at a byte, so no member gives a text probability 0 for its beam's sake
+    lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0, keep_fresh=True) for m in members]
     starts = [lm.start(ids) for lm, ids in zip(lms, prompt_ids)]
     steps, argmax = byte_steps(lms, starts, datas + [a[3] for a in alts], tau, w)
     names = _names(members)

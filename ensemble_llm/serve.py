@@ -2,7 +2,9 @@
 
 Endpoints: POST /v1/chat/completions (messages with tools and tool calls, `tools`/`tool_choice`,
 `response_format`, `stop`, `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `seed`,
-`stream` with `stream_options.include_usage`), POST /v1/completions (raw prompts), GET /v1/models,
+`stream` with `stream_options.include_usage`, `logprobs`/`top_logprobs`), POST /v1/completions
+(raw prompts, as text or token ids, with `logprobs`, `echo` and `max_tokens: 0`; serve_scoring.py),
+GET /v1/models,
 GET /health, GET /metrics (Prometheus, with the KV budget per device). Errors are OpenAI-shaped,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad parameter (named), a prompt over
 the context window or a request whose KV cache could never fit the KV budget, 401
@@ -40,6 +42,7 @@ from .engine import Ensemble
 from .errors import EnsembleError, RequestCancelled, RequestError, RequestTimeout
 from .params import GenerationParams
 from .results import GenerationResult
+from .serve_scoring import Wants, completion_prompt, prompt_only, scored, wants
 
 log = logging.getLogger("ensemble_llm.serve")
 API_KEY_ENV = "ENSEMBLE_LLM_API_KEY"
@@ -86,7 +89,6 @@ class _Body(BaseModel):
     parallel_tool_calls: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
-    logprobs: Any = None
     metadata: Any = None
     store: Any = None
 
@@ -95,12 +97,16 @@ class ChatBody(_Body):
     """POST /v1/chat/completions."""
 
     messages: list[dict]
+    logprobs: Any = None  # true: the reply's tokens with the ensemble's log-probabilities (serve_scoring.py)
+    top_logprobs: Any = None
 
 
 class CompletionBody(_Body):
-    """POST /v1/completions: a raw prompt (one string, or a list of exactly one)."""
+    """POST /v1/completions: a raw prompt (one string or one list of token ids, or a list of exactly one)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Any = None  # an integer: the tokens' log-probabilities and that many alternatives
+    echo: bool = False
 
 
 def _api_error(exc: ValidationError) -> "ApiError":
@@ -113,7 +119,7 @@ def _api_error(exc: ValidationError) -> "ApiError":
     field = str(e["loc"][0]) if e["loc"] else None
     hints = {
         "messages": "'messages' must be a list of {'role', 'content'} objects",
-        "prompt": "'prompt' must be a string",
+        "prompt": "'prompt' must be a string or a list of token ids",
     }
     where = ".".join(str(x) for x in e["loc"])
     return ApiError(400, f"{hints.get(field, where)}: {e['msg']} (got {e.get('input')!r:.200})", param=field)
@@ -137,6 +143,7 @@ class ApiError(Exception):
 
 _FIELDS = (
     "max_new_tokens",
+    "max_tokens",
     "temperature",
     "top_p",
     "seed",
@@ -147,6 +154,9 @@ _FIELDS = (
     "response_format",
     "messages",
     "prompt",
+    "top_logprobs",
+    "logprobs",
+    "echo",
 )
 
 
@@ -222,7 +232,7 @@ def _parsed_call(c: Any, i: int) -> Any:
     return {**c, "function": fn}
 
 
-def _params(body: _Body, *, raw: bool) -> GenerationParams:
+def _params(body: _Body, *, raw: bool, generate: bool = True) -> GenerationParams:
     if body.n not in (1, None):
         raise ApiError(
             400, f"n={body.n!r}: this server returns one choice per request; send n=1 (or several requests)", param="n"
@@ -232,7 +242,7 @@ def _params(body: _Body, *, raw: bool) -> GenerationParams:
     for name in ("temperature", "top_p", "seed", "timeout", "stop", "response_format"):
         if getattr(body, name) is not None:
             settings[name] = getattr(body, name)
-    if max_tokens is not None:
+    if max_tokens is not None and generate:
         settings["max_new_tokens"] = max_tokens
     if body.tools:
         settings["tools"] = tuple(body.tools)
@@ -443,25 +453,24 @@ def _check_model(srv: Server, name: str | None) -> None:
         )
 
 
-def _checked_request(srv: Server, raw: bytes, chat: bool) -> tuple[_Body, Any, GenerationParams]:
+def _checked_request(srv: Server, raw: bytes, chat: bool) -> tuple[_Body, Any, GenerationParams, Wants]:
     """Everything a request is checked for before it may queue (run in the checks' threads)."""
     body = _parsed(raw, ChatBody if chat else CompletionBody)
     _check_counts(body, srv.limits)
     _check_model(srv, body.model)
-    if chat:
-        prompt = _messages(body.messages)
-    else:
-        prompt = body.prompt
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "'prompt' must be a string", param="prompt")
     try:
-        params = _params(body, raw=not chat)
+        ids = None
+        if chat:
+            prompt = _messages(body.messages)
+        else:
+            prompt, ids = completion_prompt(srv.engine, body.prompt)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        want = wants(body, chat, max_tokens, ids)
+        params = _params(body, raw=not chat, generate=want.generate)
         srv.engine.check_request(prompt, params)
     except RequestError as exc:
         raise _from_engine_error(exc, "") from None
-    return body, prompt, params
+    return body, prompt, params, want
 
 
 async def _run(engine: Ensemble, request, prompt: Any, params: GenerationParams) -> GenerationResult:
@@ -485,15 +494,18 @@ async def _run(engine: Ensemble, request, prompt: Any, params: GenerationParams)
             task.cancel()  # the stream's cleanup tells the engine: no further forward pass
 
 
-def _reply(srv: Server, result: GenerationResult, rid: str, created: int, chat: bool) -> dict:
-    """A non-streamed reply in OpenAI's shape, with the ensemble's figures."""
+def _reply(
+    srv: Server, result: GenerationResult, rid: str, created: int, chat: bool, logprobs: dict | None, echo: str = ""
+) -> dict:
+    """A non-streamed reply in OpenAI's shape, with the ensemble's figures (`echo`: the prompt
+    put before a completion's text)."""
     if chat:
         message = {"role": "assistant", "content": result.text if (result.text or not result.tool_calls) else None}
         if result.tool_calls:
             message["tool_calls"] = _tool_calls(result)
-        choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
+        choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": echo + result.text, "finish_reason": result.finish_reason, "logprobs": logprobs}
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -512,7 +524,7 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
     request.state.rid = rid
     _check_key(srv, request)
     raw = await _body_bytes(request, srv.limits.body_bytes)
-    body, prompt, params = await srv.checked(lambda: _checked_request(srv, raw, chat))
+    body, prompt, params, want = await srv.checked(lambda: _checked_request(srv, raw, chat))
     slot = srv.admit()
     created = int(time.time())
     try:
@@ -522,7 +534,9 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
             return _SlotStream(events, slot)
         t0 = time.perf_counter()
         try:
-            result = await _run(srv.engine, request, prompt, params)
+            run = _run(srv.engine, request, prompt, params) if want.generate else None
+            result = await run if run is not None else prompt_only(srv.engine, prompt)
+            logprobs = await scored(srv.engine, want, prompt, result, chat)
         except EnsembleError as exc:
             raise _from_engine_error(exc, rid) from None
     except BaseException:
@@ -532,7 +546,7 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
     srv.seconds.labels(srv.engine.method_name).observe(time.perf_counter() - t0)
     srv.tokens.inc(result.usage.completion_tokens)
     srv.requests.labels(endpoint, "200").inc()
-    return _reply(srv, result, rid, created, chat)
+    return _reply(srv, result, rid, created, chat, logprobs, prompt if want.echo else "")
 
 
 class _SlotStream(StreamingResponse):

@@ -1,0 +1,60 @@
+"""Log-probabilities in OpenAI's shapes, from `Ensemble.score`'s figures (scoring.py): the legacy
+completions object (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and the chat
+object (`content`: per token its text, log-probability, bytes and best alternatives). The
+ensemble's own extra, each member's log-probability of every token, rides along in `members`.
+Plain data: the server and the facades build their responses from it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from .scoring import Score, TokenLogprob
+
+
+def completion_logprobs(
+    score: Score, *, first: TokenLogprob | None = None, top: int = 0, offset: int = 0
+) -> dict[str, Any]:
+    """The completions `logprobs` object of `score`'s tokens. `first`: a leading token with no
+    context (an echoed prompt's first token: log-probability null, as OpenAI and vLLM give it);
+    `offset`: the characters before the first token (the prompt's, when it is not echoed)."""
+    tokens = ([first] if first is not None else []) + list(score.tokens)
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [], "members": []}
+    text = b""
+    for i, t in enumerate(tokens):
+        lead = first is not None and i == 0
+        out["tokens"].append(t.token)
+        out["token_logprobs"].append(None if lead else finite(t.logprob))
+        out["top_logprobs"].append(None if lead or not top else {tok: finite(lp) for tok, lp in t.top})
+        out["text_offset"].append(offset + len(text.decode("utf-8", errors="ignore")))
+        out["members"].append(None if lead else {n: finite(v) for n, v in t.members.items()})
+        text += t.bytes
+    return out
+
+
+def chat_logprobs(score: Score, *, top: int = 0) -> dict[str, Any]:
+    """The chat `logprobs` object: `content`, one entry per token of the reply."""
+    return {"content": [_chat_token(t, top) for t in score.tokens], "refusal": None}
+
+
+def _chat_token(t: TokenLogprob, top: int) -> dict[str, Any]:
+    alts: Sequence[tuple[str, float]] = t.top[:top] if top else []
+    return {
+        "token": t.token,
+        "logprob": finite(t.logprob),
+        "bytes": list(t.bytes),
+        "top_logprobs": [{"token": tok, "logprob": finite(lp), "bytes": list(_bytes_of(tok))} for tok, lp in alts],
+        "members": {n: finite(v) for n, v in t.members.items()},
+    }
+
+
+def finite(x: float) -> float:
+    """JSON has no -inf: a text a member cannot write gets -9999.0, vLLM's figure for it."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def _bytes_of(token: str) -> bytes:
+    """The bytes a token text stands for (`scoring.token_text`'s 'bytes:\\xNN' form included)."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:") :].split("\\x")[1:])
+    return token.encode("utf-8")
