@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from .errors import RequestError
 from .scoring import Score, TokenLogprob
 
 
@@ -58,3 +59,28 @@ def _bytes_of(token: str) -> bytes:
     if token.startswith("bytes:"):
         return bytes(int(h, 16) for h in token[len("bytes:") :].split("\\x")[1:])
     return token.encode("utf-8")
+
+
+def reply_logprobs(engine: Any, prompt: Any, text: str, *, top: int = 0, raw: bool = False) -> dict[str, Any]:
+    """The chat `logprobs` object of a reply `text` to `prompt`: the ensemble's score of it
+    (`Ensemble.score`), as the facades put it in their responses."""
+    (score,) = _scorer(engine)(prompt, [text], raw=raw, top=top)
+    return chat_logprobs(score, top=top)
+
+
+async def areply_logprobs(engine: Any, prompt: Any, text: str, *, top: int = 0, raw: bool = False) -> dict[str, Any]:
+    """`reply_logprobs` for asyncio."""
+    from .scoring import Scoring
+
+    _scorer(engine)
+    res = await engine.ascore(prompt, Scoring((text,), top=top), raw=raw)
+    return chat_logprobs(res.scores[0], top=top)
+
+
+def _scorer(engine: Any) -> Any:
+    if not hasattr(engine, "score"):
+        raise RequestError(
+            "logprobs are read from a local engine's Ensemble.score; with base_url= the server scores "
+            "(send logprobs in the request to it), so drop logprobs here or base_url"
+        )
+    return engine.score

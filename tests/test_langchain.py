@@ -224,3 +224,23 @@ def test_structured_output_pydantic_typeddict_json_schema(pair, method):
 
 def test_token_counting_offline(llm):
     assert llm.get_num_tokens("Hello world") == len(llm.engine.members[0].encode("Hello world"))
+
+
+def test_logprobs_in_response_metadata_invoke_and_stream(pair):
+    llm = EnsembleLLM(members=pair, method="safe", max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    msg = llm.invoke("Name a color.")
+    lp = msg.response_metadata["logprobs"]["content"]
+    assert b"".join(bytes(t["bytes"]) for t in lp) == msg.content.encode()
+    (want,) = llm.engine.score([{"role": "user", "content": "Name a color."}], [msg.content], raw=False, top=2)
+    assert [t["token"] for t in lp] == [t.token for t in want.tokens]
+    assert all(abs(a["logprob"] - t.logprob) < 1e-9 for a, t in zip(lp, want.tokens))
+    assert all(len(t["top_logprobs"]) == 2 and set(t["members"]) == set(want.members) for t in lp)
+    last = list(llm.stream("Name a color."))[-1]
+    assert last.response_metadata["logprobs"] == msg.response_metadata["logprobs"]  # greedy: the same reply
+    got = asyncio.run(llm.ainvoke("Name a color."))
+    assert got.response_metadata["logprobs"] == msg.response_metadata["logprobs"]
+    assert "logprobs" not in EnsembleLLM(members=pair, method="safe", max_tokens=2).invoke("Hi").response_metadata
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
+        EnsembleLLM(members=pair, top_logprobs=2)
+    with pytest.raises(ValueError, match="tools"):
+        llm.bind_tools([add]).invoke("What is 2 + 3?")

@@ -166,3 +166,21 @@ def test_reply_blocks(llm):
     res = llm.chat_with_tools([ADD], user_msg="2+3?", tool_required=True, max_new_tokens=64)
     assert any(isinstance(b, ToolCallBlock) for b in res.message.blocks)
     assert not any(isinstance(b, TextBlock) and b.text for b in res.message.blocks)
+
+
+def test_logprobs_filled_in_complete_chat_and_streams(pair):
+    llm = EnsembleLLM(members=pair, method="safe", max_new_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    res = llm.complete("Name a color.")
+    assert b"".join(bytes(tok[0].bytes) for tok in res.logprobs) == res.text.encode()
+    (want,) = llm.engine.score([{"role": "user", "content": "Name a color."}], [res.text], raw=False, top=2)
+    assert [tok[0].token for tok in res.logprobs] == [t.token for t in want.tokens]
+    assert all(abs(tok[0].logprob - t.logprob) < 1e-9 for tok, t in zip(res.logprobs, want.tokens))
+    assert all(1 <= len(tok) <= 3 for tok in res.logprobs)  # the token, then its alternatives
+    last = list(llm.stream_complete("Name a color."))[-1]
+    assert last.logprobs == res.logprobs  # greedy: the same reply
+    chat = llm.chat([ChatMessage(role="user", content="Name a color.")])
+    assert chat.logprobs == res.logprobs
+    assert asyncio.run(llm.acomplete("Name a color.")).logprobs == res.logprobs
+    assert EnsembleLLM(members=pair, method="safe", max_new_tokens=2).complete("Hi").logprobs is None
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
+        EnsembleLLM(members=pair, top_logprobs=2)

@@ -35,6 +35,7 @@ from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
 from ensemble_llm.chat import content_text
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
+from ensemble_llm.logprobs import areply_logprobs, reply_logprobs
 from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
 from ensemble_llm.sharing import check_model_id
@@ -172,6 +173,11 @@ class EnsembleLLM(BaseChatModel):
     """Times a call that failed inside generation (`ensemble_llm.GenerationError`) is run again,
     within the same `timeout` (a streamed call only before it showed text)."""
     streaming: bool = False
+    logprobs: bool = False
+    """Put the reply's tokens with the ensemble's log-probabilities in `response_metadata["logprobs"]`
+    (`{"content": [{"token", "logprob", "bytes", "top_logprobs", "members"}]}`, docs/scoring.md)."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """With `logprobs`: that many alternatives per token."""
     base_url: str | None = None
     """Client mode: the URL of a served ensemble (`ensemble-llm serve`), e.g.
     "http://127.0.0.1:8000/v1"; nothing loads here, and `max_retries` retries transport failures."""
@@ -185,6 +191,10 @@ class EnsembleLLM(BaseChatModel):
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        if self.logprobs and self.base_url is not None:
+            raise ValueError("logprobs=True reads a local engine's scores; with base_url= drop logprobs (for now)")
         if self.base_url is not None:  # client mode: the engine is the server's
             key = self.api_key.get_secret_value() if self.api_key is not None else None
             self.model = self.model or "ensemble"
@@ -370,16 +380,19 @@ class EnsembleLLM(BaseChatModel):
             "timeout": self.timeout,
             "max_retries": 0 if self.base_url is not None else self.max_retries,
         }
-        return call_params(kwargs, model_fields, stops)  # the core's one builder (its precedence)
+        params = call_params(kwargs, model_fields, stops)  # the core's one builder (its precedence)
+        self._check_logprobs(params)
+        return params
 
-    def _metadata(self, result: GenerationResult) -> dict[str, Any]:
-        return {
+    def _metadata(self, result: GenerationResult, logprobs: dict | None = None) -> dict[str, Any]:
+        out = {
             "model_name": self.model_name,
             "members": result.models,
             "method": result.method,
             "finish_reason": result.finish_reason,
             "stats": result.stats,
         }
+        return out if logprobs is None else {**out, "logprobs": logprobs}
 
     @staticmethod
     def _usage(result: GenerationResult) -> dict[str, Any]:
@@ -394,16 +407,35 @@ class EnsembleLLM(BaseChatModel):
             out["input_token_details"] = {"cache_read": u.cached_tokens}
         return out
 
-    def _message(self, result: GenerationResult) -> AIMessage:
+    def _check_logprobs(self, request: GenerationParams) -> None:
+        if self.logprobs and request.tools:
+            raise ValueError("logprobs=True with tools: a reply with tool calls is not scored; drop one of them")
+
+    def _reply_logprobs(self, prompt: Any, result: GenerationResult) -> dict[str, Any] | None:
+        """The reply's log-probabilities (`logprobs=True`): the ensemble's score of its text."""
+        return reply_logprobs(self.engine, prompt, result.text, top=self.top_logprobs or 0) if self.logprobs else None
+
+    async def _areply_logprobs(self, prompt: Any, result: GenerationResult) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return await areply_logprobs(self.engine, prompt, result.text, top=self.top_logprobs or 0)
+
+    @staticmethod
+    def _chat_result(message: AIMessage) -> ChatResult:
+        meta = message.response_metadata  # generation_info as ChatOpenAI gives it: finish_reason, logprobs
+        info = {k: meta[k] for k in ("finish_reason", "logprobs") if k in meta}
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+    def _message(self, result: GenerationResult, logprobs: dict | None = None) -> AIMessage:
         calls = [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
         return AIMessage(
             content=result.text,
             tool_calls=calls,
             usage_metadata=self._usage(result),
-            response_metadata=self._metadata(result),
+            response_metadata=self._metadata(result, logprobs),
         )
 
-    def _last_chunk(self, result: GenerationResult) -> ChatGenerationChunk:
+    def _last_chunk(self, result: GenerationResult, logprobs: dict | None = None) -> ChatGenerationChunk:
         chunks = [
             {
                 "name": c.name,
@@ -418,7 +450,7 @@ class EnsembleLLM(BaseChatModel):
             content="",
             tool_call_chunks=chunks,
             usage_metadata=self._usage(result),
-            response_metadata=self._metadata(result),
+            response_metadata=self._metadata(result, logprobs),
             chunk_position="last",
         )
         return ChatGenerationChunk(message=msg, generation_info={"finish_reason": result.finish_reason})
@@ -431,12 +463,10 @@ class EnsembleLLM(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request = self._request(stop, kwargs)
-        result = self.engine.generate(to_engine_messages(messages), request)
-        return ChatResult(
-            generations=[
-                ChatGeneration(message=self._message(result), generation_info={"finish_reason": result.finish_reason})
-            ]
-        )
+        prompt = to_engine_messages(messages)
+        result = self.engine.generate(prompt, request)
+        message = self._message(result, self._reply_logprobs(prompt, result))
+        return self._chat_result(message)
 
     async def _agenerate(
         self,
@@ -446,12 +476,10 @@ class EnsembleLLM(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request = self._request(stop, kwargs)
-        result = await self.engine.agenerate(to_engine_messages(messages), request)
-        return ChatResult(
-            generations=[
-                ChatGeneration(message=self._message(result), generation_info={"finish_reason": result.finish_reason})
-            ]
-        )
+        prompt = to_engine_messages(messages)
+        result = await self.engine.agenerate(prompt, request)
+        message = self._message(result, await self._areply_logprobs(prompt, result))
+        return self._chat_result(message)
 
     def _stream(
         self,
@@ -461,13 +489,14 @@ class EnsembleLLM(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         request = self._request(stop, kwargs)
-        stream = self.engine.stream(to_engine_messages(messages), request)
+        prompt = to_engine_messages(messages)
+        stream = self.engine.stream(prompt, request)
         for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self._last_chunk(stream.result)
+        yield self._last_chunk(stream.result, self._reply_logprobs(prompt, stream.result))
 
     async def _astream(
         self,
@@ -477,13 +506,14 @@ class EnsembleLLM(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(stop, kwargs)
-        stream = self.engine.astream(to_engine_messages(messages), request)
+        prompt = to_engine_messages(messages)
+        stream = self.engine.astream(prompt, request)
         async for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self._last_chunk(stream.result)
+        yield self._last_chunk(stream.result, await self._areply_logprobs(prompt, stream.result))
 
 
 __all__ = ["EnsembleLLM", "to_engine_messages"]

@@ -20,6 +20,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     MessageRole,
     TextBlock,
     ToolCallBlock,
@@ -32,6 +33,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
+from ensemble_llm.logprobs import areply_logprobs, reply_logprobs
 from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
 from ensemble_llm.sharing import check_model_id
@@ -197,12 +199,22 @@ class EnsembleLLM(FunctionCallingLLM):
             "(default), or this if smaller; client mode: default 2048."
         ),
     )
+    logprobs: bool = Field(
+        default=False,
+        description="Fill the responses' logprobs: per reply token, the token and its alternatives with the "
+        "ensemble's log-probabilities (docs/scoring.md).",
+    )
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Alternatives per token, with logprobs.")
     engine: Any = Field(default=None, exclude=True, description="An Ensemble to share.")
     _context_window: Optional[int] = PrivateAttr(default=None)
     _let_go: Any = PrivateAttr(default=None)  # ends this facade's hold on a shared engine (None: engine= given)
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        if self.logprobs and self.base_url is not None:
+            raise ValueError("logprobs=True reads a local engine's scores; with base_url= drop logprobs (for now)")
         if self.base_url is not None:  # client mode: the engine is the server's
             key = self.api_key.get_secret_value() if self.api_key is not None else None
             self.model = self.model or "ensemble"
@@ -279,7 +291,21 @@ class EnsembleLLM(FunctionCallingLLM):
             "max_retries": 0 if self.base_url is not None else self.max_retries,
         }
         # the core's one builder (its precedence); a string stop is ONE stop string
-        return call_params(kwargs, model_fields, stop_list(self.stop, kwargs.get("stop")))
+        params = call_params(kwargs, model_fields, stop_list(self.stop, kwargs.get("stop")))
+        if self.logprobs and params.tools:
+            raise ValueError("logprobs=True with tools: a reply with tool calls is not scored; drop one of them")
+        return params
+
+    def _logprobs(self, prompt: Any, result: GenerationResult) -> Optional[List[List[LogProb]]]:
+        """Per reply token: the token, then its alternatives (`logprobs=True`), the ensemble's figures."""
+        if not self.logprobs:
+            return None
+        return _as_logprobs(reply_logprobs(self.engine, prompt, result.text, top=self.top_logprobs or 0))
+
+    async def _alogprobs(self, prompt: Any, result: GenerationResult) -> Optional[List[List[LogProb]]]:
+        if not self.logprobs:
+            return None
+        return _as_logprobs(await areply_logprobs(self.engine, prompt, result.text, top=self.top_logprobs or 0))
 
     def _raw(self, result: GenerationResult) -> dict[str, Any]:
         return {
@@ -305,17 +331,21 @@ class EnsembleLLM(FunctionCallingLLM):
     # ---- chat ----------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self.engine.generate(self._messages(messages), self._request(kwargs))
-        return ChatResponse(message=self._reply(result), raw=self._raw(result))
+        prompt = self._messages(messages)
+        result = self.engine.generate(prompt, self._request(kwargs))
+        return ChatResponse(message=self._reply(result), raw=self._raw(result), logprobs=self._logprobs(prompt, result))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = await self.engine.agenerate(self._messages(messages), self._request(kwargs))
-        return ChatResponse(message=self._reply(result), raw=self._raw(result))
+        prompt = self._messages(messages)
+        result = await self.engine.agenerate(prompt, self._request(kwargs))
+        lp = await self._alogprobs(prompt, result)
+        return ChatResponse(message=self._reply(result), raw=self._raw(result), logprobs=lp)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self.engine.stream(self._messages(messages), self._request(kwargs))
+        prompt = self._messages(messages)
+        stream = self.engine.stream(prompt, self._request(kwargs))
 
         def gen() -> Generator[ChatResponse, None, None]:
             text = ""
@@ -323,13 +353,15 @@ class EnsembleLLM(FunctionCallingLLM):
                 text += delta
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
             result = stream.result
-            yield ChatResponse(message=self._reply(result), delta="", raw=self._raw(result))
+            lp = self._logprobs(prompt, result)
+            yield ChatResponse(message=self._reply(result), delta="", raw=self._raw(result), logprobs=lp)
 
         return gen()
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        stream = self.engine.astream(self._messages(messages), self._request(kwargs))
+        prompt = self._messages(messages)
+        stream = self.engine.astream(prompt, self._request(kwargs))
 
         async def gen() -> AsyncGenerator[ChatResponse, None]:
             text = ""
@@ -337,7 +369,8 @@ class EnsembleLLM(FunctionCallingLLM):
                 text += delta
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
             result = stream.result
-            yield ChatResponse(message=self._reply(result), delta="", raw=self._raw(result))
+            lp = await self._alogprobs(prompt, result)
+            yield ChatResponse(message=self._reply(result), delta="", raw=self._raw(result), logprobs=lp)
 
         return gen()
 
@@ -376,13 +409,14 @@ class EnsembleLLM(FunctionCallingLLM):
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
         result = self.engine.generate(msgs, self._request(kwargs))
-        return CompletionResponse(text=result.text, raw=self._raw(result))
+        return CompletionResponse(text=result.text, raw=self._raw(result), logprobs=self._logprobs(msgs, result))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         msgs = self._messages(self._prompt_messages(self._completion_prompt(prompt, formatted)))
         result = await self.engine.agenerate(msgs, self._request(kwargs))
-        return CompletionResponse(text=result.text, raw=self._raw(result))
+        lp = await self._alogprobs(msgs, result)
+        return CompletionResponse(text=result.text, raw=self._raw(result), logprobs=lp)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -394,7 +428,8 @@ class EnsembleLLM(FunctionCallingLLM):
             for delta in stream:
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
-            yield CompletionResponse(text=text, delta="", raw=self._raw(stream.result))
+            lp = self._logprobs(msgs, stream.result)
+            yield CompletionResponse(text=text, delta="", raw=self._raw(stream.result), logprobs=lp)
 
         return gen()
 
@@ -408,7 +443,8 @@ class EnsembleLLM(FunctionCallingLLM):
             async for delta in stream:
                 text += delta
                 yield CompletionResponse(text=text, delta=delta)
-            yield CompletionResponse(text=text, delta="", raw=self._raw(stream.result))
+            lp = await self._alogprobs(msgs, stream.result)
+            yield CompletionResponse(text=text, delta="", raw=self._raw(stream.result), logprobs=lp)
 
         return gen()
 
@@ -455,3 +491,13 @@ class EnsembleLLM(FunctionCallingLLM):
 
 
 __all__ = ["EnsembleLLM", "to_engine_messages"]
+
+
+def _as_logprobs(chat: dict) -> List[List[LogProb]]:
+    """The chat `logprobs` object as LlamaIndex holds it: per token, that token, then its alternatives."""
+    out = []
+    for t in chat["content"]:
+        first = LogProb(token=t["token"], logprob=t["logprob"], bytes=t["bytes"])
+        alts = [LogProb(token=a["token"], logprob=a["logprob"], bytes=a["bytes"]) for a in t["top_logprobs"]]
+        out.append([first] + [a for a in alts if a.token != t["token"]])
+    return out
