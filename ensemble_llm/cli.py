@@ -82,6 +82,8 @@ def _cmd_generate(args) -> int:
         else:
             result = engine.generate(prompt, **kw)
             print(result.text)
+        if args.logprobs is not None:
+            _print_logprobs(engine, prompt, result.text, args.logprobs, args.raw)
     except EnsembleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -94,6 +96,20 @@ def _cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _print_logprobs(engine, prompt, text: str, top: int, raw: bool) -> None:
+    """--logprobs: per token of the reply, the ensemble's log-probability, each member's and the
+    `top` best alternatives (docs/scoring.md), one tab-separated line each on stderr."""
+    from .logprobs import reply_logprobs
+
+    content = reply_logprobs(engine, prompt, text, top=top, raw=raw)["content"]
+    names = list(content[0]["members"]) if content else []
+    print("token\tensemble\t" + "\t".join(names) + ("\talternatives" if top else ""), file=sys.stderr)
+    for t in content:
+        alts = ", ".join(f"{a['token']!r} {a['logprob']:.3f}" for a in t["top_logprobs"])
+        own = "\t".join(f"{t['members'][n]:.3f}" for n in names)
+        print(f"{t['token']!r}\t{t['logprob']:.3f}\t{own}" + (f"\t{alts}" if top else ""), file=sys.stderr)
 
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
@@ -357,6 +373,16 @@ def _add_generate(sub) -> None:
     g.add_argument("-v", "--verbose", action="store_true", help="say which method and members run, and the load time")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--stats", action="store_true", help="print usage and stats as JSON on stderr")
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="K",
+        help="print the reply's tokens with the ensemble's and each member's log-probabilities on stderr "
+        "(and K alternatives per token)",
+    )
     g.set_defaults(func=_cmd_generate)
 
 

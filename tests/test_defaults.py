@@ -91,3 +91,24 @@ def test_cli_generate_takes_member_dicts_method_config_system_and_stops(tiny_dir
     assert "--models is not valid JSON" in capsys.readouterr().err
     assert main(["generate", "hi", "--method-config", "[1]"]) == 2
     assert "--method-config must be a JSON object" in capsys.readouterr().err
+
+
+def test_cli_logprobs_prints_the_ensembles_figures(tiny_dirs, capsys):
+    from ensemble_llm import Ensemble
+    from ensemble_llm.cli import main
+
+    members = f"{tiny_dirs['smol']},{tiny_dirs['gemma']}"
+    argv = ["generate", "Say hi.", "--models", members, "--method", "safe", "--max-new-tokens", "4"]
+    argv += ["--temperature", "0"]
+    assert main([*argv, "--no-stream", "--logprobs", "2"]) == 0
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("token\tensemble\t")) :]  # after load bars
+    assert lines[0].endswith("\talternatives")
+    with Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], method="safe") as eng:
+        (want,) = eng.score("Say hi.", [out[:-1]], raw=False)  # print() added one newline
+    assert len(lines) == 1 + len(want.tokens)
+    for line, t in zip(lines[1:], want.tokens):
+        assert line.split("\t")[:2] == [repr(t.token), f"{t.logprob:.3f}"]
+    assert main([*argv, "--logprobs", "-1"]) == 2  # a bad K is the engine's clear error
+    assert "top must be" in capsys.readouterr().err
