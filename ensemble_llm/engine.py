@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Unpack
 
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
 from .defaults import method_for
-from .errors import ConfigError, RequestError
+from .errors import ConfigError
 from .kvbudget import KVBudget
 from .members import DEFAULT_MODELS, Member
 from .members.loader import config_window, load_members, local_dir, release_members
@@ -31,7 +31,7 @@ from .pipeline import make_result, member_prompts, run_method
 from .placement import plan_placement, resolve_max_batch
 from .requests import Job, Settings, make_job, member_entries
 from .results import GenerationResult
-from .scoring import MAX_TOP, Score, ScoreResult, Scoring, check_continuations, run_score
+from .scoring import Scorer, ScoreResult, run_score
 from .sharing import SHARED_ENGINES
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
 from .tools import tool_policy
@@ -59,7 +59,7 @@ ENGINE_OPTIONS = (
 )
 
 
-class Ensemble:
+class Ensemble(Scorer):
     """Several causal LMs decoded together by one ensembling method.
 
     members: bundled names, local folders, local .gguf files, hub ids (downloaded once) or
@@ -168,8 +168,7 @@ class Ensemble:
                     )
                 method = self.method_class(members, self.config)
                 method.check_members()
-                # each token byte table (the shot exam, alignment, smc, grammars) read now, not in the first request
-                _ = [m.vocab_bytes for m in members]
+                _ = [m.vocab_bytes for m in members]  # token byte tables read now, not in the first request
                 self._members, self._method = members, method
                 for kind in ("chat", "raw"):  # "auto" weights: calibrated (or read from the cache) now
                     self.member_weights(kind)
@@ -322,44 +321,6 @@ class Ensemble:
     ) -> AsyncTextStream:
         """`stream` for asyncio: `async for delta in engine.astream(...)`."""
         return self._open(self._job(prompt, params, settings), async_channel())
-
-    def score(
-        self,
-        prompt: str | list[dict],
-        continuations: Sequence[str],
-        *,
-        raw: bool = True,
-        top: int = 0,
-        timeout: float | None = None,
-    ) -> list[Score]:
-        """Each continuation's log-likelihood after `prompt` under the ensemble, each member's own,
-        and per token of the main member, with its `top` best alternatives (scoring.py;
-        docs/scoring.md). Continuations that begin alike share their work; the members' prompts
-        are prefilled once. `raw=True` (the default): the prompt is plain text, as in
-        log-likelihood benchmarks; `raw=False`: chat messages, the continuation being the reply."""
-        stream = self._open(
-            self._score_job(prompt, Scoring(check_continuations(continuations), top=top), raw, timeout), sync_channel()
-        )
-        for _ in stream:
-            pass
-        return stream.result.scores
-
-    async def ascore(
-        self, prompt: str | list[dict], scoring: Scoring, *, raw: bool = True, timeout: float | None = None
-    ) -> ScoreResult:
-        """`score` for asyncio, with every option of a scoring request (`scoring.Scoring`) and the
-        request's figures: never blocks the event loop."""
-        stream = self._open(self._score_job(prompt, scoring, raw, timeout), async_channel())
-        async for _ in stream:
-            pass
-        return stream.result
-
-    def _score_job(self, prompt: Any, scoring: Scoring, raw: bool, timeout: float | None) -> Job:
-        if not isinstance(top := scoring.top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP:
-            raise RequestError(f"top must be an integer from 0 to {MAX_TOP}, got {top!r}")
-        job = self._job(prompt, None, {"raw": raw, "timeout": timeout})
-        job.scoring, job.shows_text = scoring, False
-        return job
 
     def _open(self, job: Job, channel) -> TextStream:
         sink, cancel, stream = channel

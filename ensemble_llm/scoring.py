@@ -29,6 +29,7 @@ import torch
 
 from .errors import ContextLengthError, RequestError
 from .methods.smc import f_ensemble
+from .streams import async_channel, sync_channel
 
 NEG_INF = float("-inf")
 
@@ -327,3 +328,45 @@ def _tops(n, spans, datas, alts, steps, k: int) -> list[list[list[tuple[str, flo
             per.append(best if here in best else best + [here])
         out.append(per)
     return out
+
+
+class Scorer:
+    """`Ensemble`'s scoring entry points: a scoring request goes through the engine's queue like
+    any other (its deadline, its retries, batched with the running requests' steps)."""
+
+    def score(
+        self,
+        prompt: str | list[dict],
+        continuations: Sequence[str],
+        *,
+        raw: bool = True,
+        top: int = 0,
+        timeout: float | None = None,
+    ) -> list[Score]:
+        """Each continuation's log-likelihood after `prompt` under the ensemble, each member's own,
+        and per token of the main member, with its `top` best alternatives (docs/scoring.md).
+        Continuations that begin alike share their work; the members' prompts are prefilled once.
+        `raw=True` (the default): the prompt is plain text, as in log-likelihood benchmarks;
+        `raw=False`: chat messages, the continuation being the reply."""
+        job = self._score_job(prompt, Scoring(check_continuations(continuations), top=top), raw, timeout)
+        stream = self._open(job, sync_channel())
+        for _ in stream:
+            pass
+        return stream.result.scores
+
+    async def ascore(
+        self, prompt: str | list[dict], scoring: Scoring, *, raw: bool = True, timeout: float | None = None
+    ) -> ScoreResult:
+        """`score` for asyncio, with every option of a scoring request (`Scoring`) and the
+        request's figures: never blocks the event loop."""
+        stream = self._open(self._score_job(prompt, scoring, raw, timeout), async_channel())
+        async for _ in stream:
+            pass
+        return stream.result
+
+    def _score_job(self, prompt: Any, scoring: Scoring, raw: bool, timeout: float | None) -> Any:
+        if not isinstance(top := scoring.top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP:
+            raise RequestError(f"top must be an integer from 0 to {MAX_TOP}, got {top!r}")
+        job = self._job(prompt, None, {"raw": raw, "timeout": timeout})
+        job.scoring, job.shows_text = scoring, False
+        return job
