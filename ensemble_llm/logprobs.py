@@ -84,3 +84,17 @@ def _scorer(engine: Any) -> Any:
             "(send logprobs in the request to it), so drop logprobs here or base_url"
         )
     return engine.score
+
+
+def check_facade_options(logprobs: bool, top: int | None, client_mode: bool) -> None:
+    """The LangChain and LlamaIndex facades' `logprobs`/`top_logprobs`, checked at construction."""
+    if top and not logprobs:
+        raise ValueError("top_logprobs needs logprobs=True")
+    if logprobs and client_mode:
+        raise ValueError("logprobs=True reads a local engine's scores; with base_url= drop logprobs (for now)")
+
+
+def check_facade_call(logprobs: bool, params: Any) -> None:
+    """A facade call with `logprobs`: a reply with tool calls is not scored."""
+    if logprobs and params.tools:
+        raise ValueError("logprobs=True with tools: a reply with tool calls is not scored; drop one of them")

@@ -8,7 +8,7 @@ distribution is
     q(b | x) = psi(x b) / sum_b' psi(x b'),   psi = f(P_1, ..., P_K) with the member weights,
 
 over 256 bytes and the end of text, where f is the method's weighted power mean
-(`Method.scoring_power`: the mixture for unite and safe, which average probabilities; the
+(`Method.scoring_f`: the mixture for unite and safe, which average probabilities; the
 product for specfuse, whose segment scores add log-probabilities; smc's own f). That is smc's
 proposal. The ensemble's log-probability of x is sum_i log q(x_i | x_<i): a distribution over
 texts whatever the tokenizers, and with one member exactly that member's P(x), since the ratios
@@ -207,6 +207,13 @@ class ScoreResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+def check_top(k: Any, name: str = "top") -> int:
+    """Alternatives per token: an integer from 0 to MAX_TOP (`name`: the option as the caller spells it)."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP:
+        raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP}, got {k!r}")
+    return k
+
+
 def check_continuations(continuations: Any) -> tuple[str, ...]:
     """The continuations to score: a non-empty list of strings."""
     if isinstance(continuations, str) or not isinstance(continuations, (list, tuple)) or not continuations:
@@ -306,7 +313,6 @@ def _alternatives(member, prompt_ids, spans, datas, k: int) -> list[tuple[int, i
                 picked += 1
                 if cand != tok:
                     out.append((c, j, cand, data[:a] + vb[cand]))
-    member.forget_prompt(prompt_ids)
     return out
 
 
@@ -365,8 +371,7 @@ class Scorer:
         return stream.result
 
     def _score_job(self, prompt: Any, scoring: Scoring, raw: bool, timeout: float | None) -> Any:
-        if not isinstance(top := scoring.top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP:
-            raise RequestError(f"top must be an integer from 0 to {MAX_TOP}, got {top!r}")
+        check_top(scoring.top)
         job = self._job(prompt, None, {"raw": raw, "timeout": timeout})
         job.scoring, job.shows_text = scoring, False
         return job

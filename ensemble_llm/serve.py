@@ -232,12 +232,16 @@ def _parsed_call(c: Any, i: int) -> Any:
     return {**c, "function": fn}
 
 
+def _max_tokens(body: _Body) -> Any:
+    return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+
+
 def _params(body: _Body, *, raw: bool, generate: bool = True) -> GenerationParams:
     if body.n not in (1, None):
         raise ApiError(
             400, f"n={body.n!r}: this server returns one choice per request; send n=1 (or several requests)", param="n"
         )
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = _max_tokens(body)
     settings: dict[str, Any] = {"raw": raw}
     for name in ("temperature", "top_p", "seed", "timeout", "stop", "response_format"):
         if getattr(body, name) is not None:
@@ -464,8 +468,7 @@ def _checked_request(srv: Server, raw: bytes, chat: bool) -> tuple[_Body, Any, G
             prompt = _messages(body.messages)
         else:
             prompt, ids = completion_prompt(srv.engine, body.prompt)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        want = wants(body, chat, max_tokens, ids)
+        want = wants(body, chat, _max_tokens(body), ids)
         params = _params(body, raw=not chat, generate=want.generate)
         srv.engine.check_request(prompt, params)
     except RequestError as exc:
@@ -534,8 +537,10 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
             return _SlotStream(events, slot)
         t0 = time.perf_counter()
         try:
-            run = _run(srv.engine, request, prompt, params) if want.generate else None
-            result = await run if run is not None else prompt_only(srv.engine, prompt)
+            if want.generate:
+                result = await _run(srv.engine, request, prompt, params)
+            else:
+                result = prompt_only(srv.engine, prompt)
             logprobs = await scored(srv.engine, want, prompt, result, chat)
         except EnsembleError as exc:
             raise _from_engine_error(exc, rid) from None

@@ -13,7 +13,7 @@ from typing import Any
 from .errors import RequestError
 from .logprobs import chat_logprobs, completion_logprobs
 from .results import GenerationResult, Usage
-from .scoring import MAX_TOP, Scoring, TokenLogprob
+from .scoring import Scoring, TokenLogprob, check_top
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ def wants(body: Any, chat: bool, max_tokens: Any, ids: tuple[int, ...] | None = 
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
-        w = Wants(logprobs=bool(body.logprobs), top=_top(top or 0, "top_logprobs"))
+        w = Wants(logprobs=bool(body.logprobs), top=check_top(top or 0, "top_logprobs"))
     else:
         lp = body.logprobs
-        w = Wants(logprobs=lp is not None, top=_top(lp or 0, "logprobs"), echo=bool(body.echo), ids=ids)
+        w = Wants(logprobs=lp is not None, top=check_top(lp or 0, "logprobs"), echo=bool(body.echo), ids=ids)
         if max_tokens == 0:
             if not body.echo:
                 raise RequestError("max_tokens: 0 generates nothing; it needs echo: true (to score the prompt)")
@@ -74,12 +74,6 @@ def wants(body: Any, chat: bool, max_tokens: Any, ids: tuple[int, ...] | None = 
     if w.logprobs and chat and body.tools:
         raise RequestError("logprobs with tools: a reply with tool calls is not scored here; drop one of them")
     return w
-
-
-def _top(k: Any, name: str) -> int:
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP:
-        raise RequestError(f"{name} must be an integer from 0 to {MAX_TOP}, got {k!r}")
-    return k
 
 
 def prompt_only(engine: Any, prompt: str) -> GenerationResult:

@@ -35,7 +35,7 @@ from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
 from ensemble_llm.chat import content_text
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
-from ensemble_llm.logprobs import areply_logprobs, reply_logprobs
+from ensemble_llm.logprobs import areply_logprobs, check_facade_call, check_facade_options, reply_logprobs
 from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
 from ensemble_llm.sharing import check_model_id
@@ -191,10 +191,7 @@ class EnsembleLLM(BaseChatModel):
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=True")
-        if self.logprobs and self.base_url is not None:
-            raise ValueError("logprobs=True reads a local engine's scores; with base_url= drop logprobs (for now)")
+        check_facade_options(self.logprobs, self.top_logprobs, self.base_url is not None)
         if self.base_url is not None:  # client mode: the engine is the server's
             key = self.api_key.get_secret_value() if self.api_key is not None else None
             self.model = self.model or "ensemble"
@@ -381,7 +378,7 @@ class EnsembleLLM(BaseChatModel):
             "max_retries": 0 if self.base_url is not None else self.max_retries,
         }
         params = call_params(kwargs, model_fields, stops)  # the core's one builder (its precedence)
-        self._check_logprobs(params)
+        check_facade_call(self.logprobs, params)
         return params
 
     def _metadata(self, result: GenerationResult, logprobs: dict | None = None) -> dict[str, Any]:
@@ -406,10 +403,6 @@ class EnsembleLLM(BaseChatModel):
         if u.cached_tokens:
             out["input_token_details"] = {"cache_read": u.cached_tokens}
         return out
-
-    def _check_logprobs(self, request: GenerationParams) -> None:
-        if self.logprobs and request.tools:
-            raise ValueError("logprobs=True with tools: a reply with tool calls is not scored; drop one of them")
 
     def _reply_logprobs(self, prompt: Any, result: GenerationResult) -> dict[str, Any] | None:
         """The reply's log-probabilities (`logprobs=True`): the ensemble's score of its text."""

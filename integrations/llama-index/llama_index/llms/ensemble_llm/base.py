@@ -33,7 +33,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
 from ensemble_llm.client import RemoteEnsemble
 from ensemble_llm.engine import ENGINE_OPTIONS
-from ensemble_llm.logprobs import areply_logprobs, reply_logprobs
+from ensemble_llm.logprobs import areply_logprobs, check_facade_call, check_facade_options, reply_logprobs
 from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
 from ensemble_llm.sharing import check_model_id
@@ -211,10 +211,7 @@ class EnsembleLLM(FunctionCallingLLM):
 
     @model_validator(mode="after")
     def _build_engine(self) -> "EnsembleLLM":
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=True")
-        if self.logprobs and self.base_url is not None:
-            raise ValueError("logprobs=True reads a local engine's scores; with base_url= drop logprobs (for now)")
+        check_facade_options(self.logprobs, self.top_logprobs, self.base_url is not None)
         if self.base_url is not None:  # client mode: the engine is the server's
             key = self.api_key.get_secret_value() if self.api_key is not None else None
             self.model = self.model or "ensemble"
@@ -292,8 +289,7 @@ class EnsembleLLM(FunctionCallingLLM):
         }
         # the core's one builder (its precedence); a string stop is ONE stop string
         params = call_params(kwargs, model_fields, stop_list(self.stop, kwargs.get("stop")))
-        if self.logprobs and params.tools:
-            raise ValueError("logprobs=True with tools: a reply with tool calls is not scored; drop one of them")
+        check_facade_call(self.logprobs, params)
         return params
 
     def _logprobs(self, prompt: Any, result: GenerationResult) -> Optional[List[List[LogProb]]]:
