@@ -92,7 +92,8 @@ def byte_steps(
     step_of: dict[bytes, tuple[float, np.ndarray, bool]] = {}  # prefix + byte -> its step
     for depth in range(max((len(t) for t in texts), default=0)):
         rows = sorted({t[:depth] for t in texts if len(t) > depth})
-        asks = [lm.next_logprobs_async([frontier[x][0][k] for x in rows]) for k, lm in enumerate(lms)]
+        need = [{t[depth] for t in texts if len(t) > depth and t[:depth] == x} for x in rows]
+        asks = [lm.next_logprobs_async([frontier[x][0][k] for x in rows], need) for k, lm in enumerate(lms)]
         logq = np.stack([a.get() for a in asks], axis=1)  # [rows, K, 257]
         following: dict[bytes, tuple[list[Any], np.ndarray]] = {}
         for r, x in enumerate(rows):
@@ -243,8 +244,9 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
     ]
     datas = [c.encode("utf-8") for c in sc.continuations]
     alts = _alternatives(members[main], prompt_ids[main], spans, datas, sc.top) if sc.top else []
-    # keep_fresh: a token may always end at a byte, so no member gives a text probability 0 for its beam's sake
-    lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0, keep_fresh=True) for m in members]
+    # keep_fresh: a token may always end at a byte, so no member gives a text probability 0 for its
+    # beam's sake; "lazy": its forward only where a continuation's byte needs it
+    lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0, keep_fresh="lazy") for m in members]
     starts = [lm.start(ids) for lm, ids in zip(lms, prompt_ids)]
     steps, argmax = byte_steps(lms, starts, datas + [a[3] for a in alts], tau, w)
     names = _names(members)

@@ -194,3 +194,23 @@ def test_given_token_ids_split_the_report(pair):
         asyncio.run(pair.ascore("Hi", Scoring((text,), token_ids=(tuple(odd[:-1]),))))
     with pytest.raises(RequestError, match="top must be"):
         pair.score("Hi", [text], top=99)
+
+
+def test_deferred_fresh_hypotheses_keep_the_figures(tiny_members):
+    """keep_fresh="lazy" (what scoring uses) defers the forward of a fresh-token hypothesis below
+    the prune floor until a continuation's byte needs it: the figures stay those of keeping it
+    eagerly (the difference, 0.007 nats at most on these texts, is far inside the beam's own
+    error), where dropping it (keep_fresh=False) gives some text probability 0."""
+    from ensemble_llm.scoring import SCORE_BEAM, SCORE_PRUNE
+
+    members = [tiny_members["smol"], tiny_members["gemma"]]
+    prompts = [m.prompt_ids("The capital of France is") for m in members]
+    texts = [b" Paris, a city.", b" Lyon and Marseille", b" 1234 km", " caf\u00e9s".encode()]
+    got = {}
+    for keep in (True, "lazy", False):
+        lms = [ByteLM(m, SCORE_BEAM, SCORE_PRUNE, keep_fresh=keep) for m in members]
+        steps, _ = byte_steps(lms, [lm.start(p) for lm, p in zip(lms, prompts)], texts, 0.0, [0.5, 0.5])
+        got[keep] = np.array([[sum(s.ensemble), *map(sum, s.members)] for s in steps])
+    assert np.isfinite(got["lazy"]).all()
+    assert np.abs(got["lazy"] - got[True]).max() < 0.02
+    assert not np.isfinite(got[False]).all()

@@ -176,11 +176,11 @@ class TableLM:
         out[[ord("a"), ord("b"), EOS]] = np.log(w / w.sum())
         return out
 
-    def next_logprobs(self, states):
+    def next_logprobs(self, states, need=None):  # exact tables: nothing deferred, `need` changes nothing
         return np.stack([self.logq(s) for s in states])
 
-    def next_logprobs_async(self, states):  # the byte-LM interface's form for answers from an actor
-        return Ready(self.next_logprobs(states))
+    def next_logprobs_async(self, states, need=None):  # the byte-LM interface's form for answers from an actor
+        return Ready(self.next_logprobs(states, need))
 
     def advance(self, state, b):
         return state + bytes([b])

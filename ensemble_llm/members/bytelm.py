@@ -36,6 +36,7 @@ from .rows import Ready
 from .vocab import VocabTrie
 
 EOS = 256  # index of the end-of-sequence slot in next-byte vectors (257 slots)
+LOG_RESCUE = math.log(1e-4)  # a deferred fresh hypothesis is taken in above this share of a needed byte
 NEG_INF = -math.inf
 
 
@@ -82,12 +83,13 @@ class Hyp:
 class Beam:
     """Hypotheses after some byte string; immutable once built (particles share beams)."""
 
-    __slots__ = ("hyps", "cands", "logq")
+    __slots__ = ("hyps", "cands", "logq", "spare")
 
     def __init__(self, hyps: list[Hyp]) -> None:
         self.hyps = hyps
         self.cands: list[Hyp] | None = None  # set by ByteLM.next_logprobs
         self.logq: np.ndarray | None = None
+        self.spare: Hyp | None = None  # the fresh hypothesis left out, when its forward is deferred
 
     @property
     def tokens(self) -> int:
@@ -111,14 +113,16 @@ class ByteLM:
         beam_width: int = 5,
         prune_threshold: float = 0.0,
         temperature: float = 1.0,
-        keep_fresh: bool = False,
+        keep_fresh: bool | str = False,
     ) -> None:
         self.member = member
         # keep_fresh: always keep the best "token ends here" hypothesis, however light. Under a
         # grammar the bytes only it can write may be the only allowed ones (a digit after '": '
         # when digits are separate tokens); pruned, they would get probability 0 and every
-        # allowed continuation would die.
-        self.keep_fresh = keep_fresh
+        # allowed continuation would die. keep_fresh="lazy" (scoring): keep it without its forward,
+        # and take it in only where a byte the caller needs would move (`next_logprobs(need=...)`).
+        self.keep_fresh = keep_fresh is True
+        self.defer_fresh = keep_fresh == "lazy"
         self.beam_width = beam_width
         self.log_prune = _log(prune_threshold) if prune_threshold > 0 else NEG_INF
         self.temperature = temperature
@@ -206,7 +210,8 @@ class ByteLM:
     # ---- bytes -----------------------------------------------------------------------------
     def _candidates(self, beam: Beam) -> list[Hyp]:
         """Split every hypothesis into 'the token goes on' and 'the token ends here, a new one
-        starts' (one per token spelling exactly the partial bytes), then keep the best few."""
+        starts' (one per token spelling exactly the partial bytes), then keep the best few (a
+        fresh one left out is the beam's `spare` when its forward is deferred)."""
         out = []
         for h in beam.hyps:
             if not h.partial:
@@ -227,6 +232,7 @@ class ByteLM:
         if out and self.log_prune > NEG_INF:
             floor = out[0].logw + self.log_prune
             kept = [h for h in kept if h.logw >= floor]
+        beam.spare = None
         if not any(not h.partial for h in kept):
             # keep the best fresh-token hypothesis as well: from a token boundary every byte the
             # vocabulary can write has probability > 0, so a narrow beam never rules text out.
@@ -240,6 +246,8 @@ class ByteLM:
                 self.keep_fresh or self.log_prune == NEG_INF or fresh.logw >= out[0].logw + self.log_prune
             ):
                 kept.append(fresh)
+            elif self.defer_fresh:
+                beam.spare = fresh
         return kept
 
     def _logq(self, cands: list[Hyp]) -> np.ndarray:
@@ -261,14 +269,37 @@ class ByteLM:
         total = np.logaddexp.reduce(m)
         return m - total if total > NEG_INF else m
 
-    def next_logprobs_async(self, beams: Sequence[Beam]) -> Ready:
+    def next_logprobs_async(self, beams: Sequence[Beam], need: Sequence[set[int]] | None = None) -> Ready:
         """`next_logprobs` as an answer with `.get()` (the form a member in an actor answers in)."""
-        return Ready(self.next_logprobs(beams))
+        return Ready(self.next_logprobs(beams, need))
 
-    def next_logprobs(self, beams: Sequence[Beam]) -> np.ndarray:
-        """log p(b | x) for every beam, [len(beams), 257]; all new contexts in one forward."""
+    def next_logprobs(self, beams: Sequence[Beam], need: Sequence[set[int]] | None = None) -> np.ndarray:
+        """log p(b | x) for every beam, [len(beams), 257]; all new contexts in one forward.
+        `need`: per beam, the bytes the caller will read (a scorer's texts), which a deferred
+        fresh hypothesis must not leave wrong."""
         self.materialize(self._needed(beams))
-        return self._answers(beams)
+        out = self._answers(beams)
+        if need is not None and self.defer_fresh:
+            self._rescue(beams, need, out)
+        return out
+
+    def _rescue(self, beams: Sequence[Beam], need: Sequence[set[int]], out: np.ndarray) -> None:
+        """Take in each beam's deferred fresh hypothesis where it could move a needed byte's
+        log-probability by more than RESCUE (relative), their contexts in one forward."""
+        late = []
+        for i, (beam, wanted) in enumerate(zip(beams, need)):
+            h = beam.spare
+            if h is not None:
+                rel = h.logw - np.logaddexp.reduce([c.logw for c in beam.cands])  # its share of the beam
+                if any(rel - out[i, b] > LOG_RESCUE for b in wanted):
+                    late.append(i)
+        for i in late:
+            beam = beams[i]
+            if beam.spare is not None:  # a beam may stand at several indices
+                beam.cands, beam.spare, beam.logq = beam.cands + [beam.spare], None, None
+        if late:
+            self.materialize(self._todo([h.ctx for i in late for h in beams[i].cands]))
+            out[late] = self._answers([beams[i] for i in late])
 
     def _needed(self, beams: Sequence[Beam]) -> list[Context]:
         """The contexts the beams' candidates stand on that lack their distribution."""

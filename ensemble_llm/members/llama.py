@@ -302,7 +302,7 @@ class LlamaMember(TokenizerView):
         logp = torch.log_softmax(torch.from_numpy(rows), dim=-1)
         return float(logp.gather(1, torch.tensor(tgt)[:, None]).sum())
 
-    def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False):
+    def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool | str = False):
         return LlamaByteLM(self, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
 
     def kv_tensor(self, state: LlamaState) -> torch.Tensor:

@@ -314,7 +314,9 @@ class Member(TokenizerView):
         self.extend(state, ids, last_only=True)
         return state
 
-    def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False) -> ByteLM:
+    def byte_lm(
+        self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool | str = False
+    ) -> ByteLM:
         """This member as a byte-level LM (smc); a member in an actor gives one that runs there."""
         return ByteLM(self, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
 

@@ -168,12 +168,23 @@ class RemoteByteLM:
     """`ByteLM` with the member's byte LM on its actor: 257 log-probs per beam cross the wire."""
 
     def __init__(
-        self, member: "RayMember", beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False
+        self,
+        member: "RayMember",
+        beam_width: int,
+        prune_threshold: float,
+        temperature: float,
+        keep_fresh: bool | str = False,
     ) -> None:
         self.member = member
         self.handle = _Handle(member)
         member._submit(
-            "bytelm", self.handle.id, int(beam_width), float(prune_threshold), float(temperature), bool(keep_fresh)
+            # "lazy" (defer the fresh hypothesis' forward) is kept eagerly there: the same figures
+            "bytelm",
+            self.handle.id,
+            int(beam_width),
+            float(prune_threshold),
+            float(temperature),
+            bool(keep_fresh),
         )
         self._pending: list[tuple[list[RemoteBeam], Pending]] = []
         self._advances: list[tuple[RemoteBeam, RemoteBeam, int]] = []
@@ -201,7 +212,7 @@ class RemoteByteLM:
             for b, t in zip(beams, p.get()):
                 b._tokens = t
 
-    def next_logprobs_async(self, beams: Sequence[RemoteBeam]) -> "_Rows":
+    def next_logprobs_async(self, beams: Sequence[RemoteBeam], need: Sequence[set[int]] | None = None) -> "_Rows":
         # particles share beams after resampling: each distinct beam's 257 log-probs cross once
         self._flush()
         uniq: dict[int, int] = {}
@@ -210,8 +221,8 @@ class RemoteByteLM:
         part = run_call(Tree(self.member, None, tree=("bytelm", self.handle.id, list(uniq))))
         return _Rows(part, index)
 
-    def next_logprobs(self, beams: Sequence[RemoteBeam]) -> np.ndarray:
-        return self.next_logprobs_async(beams).get()
+    def next_logprobs(self, beams: Sequence[RemoteBeam], need: Sequence[set[int]] | None = None) -> np.ndarray:
+        return self.next_logprobs_async(beams, need).get()
 
     def advance(self, beam: RemoteBeam, b: int) -> RemoteBeam:
         new = RemoteBeam(self)

@@ -408,6 +408,6 @@ class RayMember(TokenizerView):
         return torch.tensor(logits), [torch.tensor(k) for k in kvs]
 
     def byte_lm(
-        self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool = False
+        self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool | str = False
     ) -> RemoteByteLM:
         return RemoteByteLM(self, beam_width, prune_threshold, temperature, keep_fresh)
