@@ -16,7 +16,8 @@ Which tasks (fixed before any model ran on them; `benchmarks/results/bigbench_sp
 The split is by family, so that no family's siblings sit on both sides (a rule tuned on 2-digit
 addition would be checked on 3-digit addition): the families, in the order of a fixed hash of
 their names, go to the tune and outside halves in turn. The families that earlier checks already
-looked at (`benchmarks/outside_tasks.py`: linguistic_mappings) come first, so they are tuned on.
+looked at (`benchmarks/outside_tasks.py`, in git history: `git show 7aee0d6:benchmarks/outside_tasks.py`:
+linguistic_mappings) come first, so they are tuned on.
 
 Each task file holds its examples shuffled with a fixed seed. Line 1-3 are the fixed shots (the
 reading most users have: one prompt's three examples), each later line is an example to score

@@ -22,7 +22,9 @@ STUDIES = {
         "well each member explains the answers the prompt shows (the per-request posterior), uniform, "
         "or the evidence shrunk or gated. Offline, on the tune half of the BIG-bench split and the dev "
         "suite (`benchmarks/weights_reliability.py` collects each member's answer and scores, "
-        "`benchmarks/weights_analysis.py` compares the rules on specfuse's choice between the answers). "
+        "`benchmarks/weights_analysis.py` compares the rules on specfuse's choice between the answers; "
+        "both in git history: `git show 26cf26c:benchmarks/weights_reliability.py`, "
+        "`git show b0052d9:benchmarks/weights_analysis.py`). "
         "The prior alone was chosen as the default (`evidence=0`).",
         ["weights_tune/tune/analysis.md", "weights_tune/dev/analysis.md"],
     ),
@@ -35,7 +37,9 @@ STUDIES = {
         "before any ensemble ran on them, by the single members' scores alone. On the tune half: what "
         "the methods did without the shot exam, where they lost the better member's answers, and the "
         "exam's threshold (`benchmarks/exam_rules.py`, from `benchmarks/shot_exam.py`'s figures and the "
-        "runs). The outside half was scored once with the exam alone: it followed the member that can "
+        "runs; both in git history: `git show 5e86875:benchmarks/exam_rules.py`, "
+        "`git show 76fd06a:benchmarks/shot_exam.py`). The outside half was scored once with the exam "
+        "alone: it followed the member that can "
         "write the task's script or form (country_ru, language_fr) and not where a member copies the "
         "question (country_demonym). The copy test was added for that failure, found there (so those "
         "tasks are seen), and replayed on the tune half, the dev suite and the outside runs. Nine "

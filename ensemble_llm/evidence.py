@@ -61,7 +61,9 @@ MAX_LABEL = 40  # a label is a short line prefix ("A:", "Answer:", "Past partici
 MAX_POSITIONS = 96  # scored positions per member and request (the last answers are kept)
 FLOOR = 1e-3  # the smallest weight a member keeps
 EXAM_ANSWERS = 8  # shown answers examined per request (the last ones)
-EXAM_BEHIND = 3.0  # nats per examined answer behind the best member: it steps aside (benchmarks/exam_rules.py)
+# nats per examined answer behind the best member: it steps aside (chosen by benchmarks/exam_rules.py,
+# in git history: `git show 5e86875:benchmarks/exam_rules.py`)
+EXAM_BEHIND = 3.0
 COPY_TOKENS = 16  # a longer question is not tested as a copy (the test could extend by as much)
 
 

@@ -1,6 +1,6 @@
 """The house floor by floor: every `ensemble_llm` module sits on a floor and imports only from its
 own floor or lower ones, lazy imports (inside functions) included, with no circle anywhere; the
-HTTP client imports neither torch nor transformers. The floors are the README's layout section."""
+HTTP client imports neither torch nor transformers. The floors are CONTRIBUTING.md's Layout section."""
 
 from __future__ import annotations
 

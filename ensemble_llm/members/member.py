@@ -40,7 +40,7 @@ class KVState:
     next_logprobs: torch.Tensor | None = None  # [V] float32
     next_logits: torch.Tensor | None = None  # [V] the raw logits behind next_logprobs
     scored: Any = None  # candidates of a score_inline(keep=True) still in the cache (see keep_candidate)
-    group: Any = None  # the batching.RowGroup whose row `row` holds the cache (then `cache` is None)
+    group: Any = None  # the rowgroups.RowGroup whose row `row` holds the cache (then `cache` is None)
     row: int = -1
 
     def __len__(self) -> int:
@@ -404,7 +404,7 @@ class Member(TokenizerView):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on final hidden states (the model's own: lm_head and, where the config
         has one, the logit soft-cap), for a batched prompt whose rows want logits at different
-        positions (batching.run_prefills)."""
+        positions (rowgroups.run_prefills)."""
         with torch.inference_mode():
             logits = self.model.get_output_embeddings()(hidden)
             cap = getattr(self.model.config, "final_logit_softcapping", None)

@@ -208,7 +208,7 @@ class MemberActor:
         self.objs[r] = st.next_logprobs[None]
 
     def op_prefills(self, items: list[tuple]) -> list:
-        """Several requests' prompts in one forward (batching.run_prefills): (state handle, rows
+        """Several requests' prompts in one forward (rowgroups.run_prefills): (state handle, rows
         handle, ids, the request's count handle, None) each, or for a prompt scored for its
         request's weights (score_prompt) (None, None, ids, count handle, positions): its scores
         come back and its state waits in `ready` for the prefill that follows. Each request's
@@ -250,7 +250,7 @@ class MemberActor:
         return out
 
     def op_step(self, items: list[tuple]) -> list:
-        """One batched step of several requests' extends and in-line scorings (batching.run_step):
+        """One batched step of several requests' extends and in-line scorings (rowgroups.run_step):
         ("extend", state, rows, ids, last_only, tag) or ("score", state, candidates, raw_logits,
         keep, tag) each, a request's forwards counted under its tag (a step's calls may run in two
         forwards: each counts the one it took part in); the scorings' answers come back (None for
