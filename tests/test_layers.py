@@ -40,6 +40,7 @@ FLOORS = {
         "members.sources",
         "members.options",
         "members.hub",
+        "members.stores",
         "members.plan",
         "ray",
         "ray.actor",

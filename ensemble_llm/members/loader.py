@@ -149,8 +149,8 @@ def local_dir(source: Source, cache_dir=None, progress: bool = True, revision: s
             gguf = fetch_bundled(model, cache_dir, progress=progress)
             convert_gguf(gguf, out, {"bundled": model.name, "sha256": model.sha256})
         return out
-    if source.kind == "gguf":
-        p = Path(source.ref)
+    if source.kind in ("gguf", "store"):
+        p = gguf_file(source)
         st = p.stat()
         key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
         out = root / "converted" / f"{p.stem}-{key}"

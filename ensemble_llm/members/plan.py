@@ -196,11 +196,12 @@ def model_size(source, options: MemberOptions = NO_OPTIONS, cache_dir=None) -> M
     from .fetch import cache_root, fetch_bundled
     from .hub import cached_file, cached_folder, remote_safetensors, split_hub_ref
     from .registry import BUNDLED
+    from .sources import gguf_file
 
     if source.kind == "dir":
         return folder_size(Path(source.ref))
-    if source.kind == "gguf":
-        return gguf_size(Path(source.ref))
+    if source.kind in ("gguf", "store"):
+        return gguf_size(gguf_file(source))
     if source.kind == "bundled":
         converted = cache_root(cache_dir) / "converted" / source.ref
         if is_converted(converted):

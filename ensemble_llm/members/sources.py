@@ -12,8 +12,9 @@ from .fetch import fetch_bundled
 from .hub import hub_file, split_hub_ref
 from .options import MemberOptions
 from .registry import BUNDLED
+from .stores import is_store_ref, store_gguf
 
-GGUF_KINDS = ("bundled", "gguf", "hub-gguf")  # sources that are one GGUF file
+GGUF_KINDS = ("bundled", "gguf", "hub-gguf", "store")  # sources that are one GGUF file
 LLAMA_CONTEXT = 2048  # llama.cpp: KV cells per request slot (a member's context holds max_batch of them)
 
 
@@ -21,8 +22,8 @@ LLAMA_CONTEXT = 2048  # llama.cpp: KV cells per request slot (a member's context
 class Source:
     """Where a member's weights come from, resolved without loading anything."""
 
-    kind: str  # "bundled" | "dir" | "gguf" | "hub" | "hub-gguf"
-    ref: str  # bundled name, absolute path, hub id or "org/repo:file.gguf"
+    kind: str  # "bundled" | "dir" | "gguf" | "hub" | "hub-gguf" | "store"
+    ref: str  # bundled name, absolute path, hub id, "org/repo:file.gguf" or "ollama:name:tag"/"lmstudio:..."
     name: str  # short display name
 
 
@@ -33,6 +34,10 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     text = os.fspath(spec)
     if text in BUNDLED:
         return Source("bundled", text, text)
+    if is_store_ref(text):  # a model in the user's Ollama or LM Studio store: its GGUF file
+        blob, name = store_gguf(text)
+        gguf_source(blob, name)
+        return Source("store", text, name)
     path = Path(text).expanduser()
     hub = split_hub_ref(text)
     if hub is not None and hub[1] is not None and not path.exists():
@@ -40,14 +45,7 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {path} does not exist; pass the path of an existing .gguf file.")
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
-        if magic != b"GGUF":
-            raise ModelNotFoundError(
-                f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); it may be "
-                "truncated or another format: re-download it."
-            )
-        return Source("gguf", str(path.resolve()), path.stem)
+        return gguf_source(path, path.stem)
     if path.is_dir():
         check_model_folder(path)
         return Source("dir", str(path.resolve()), path.name)
@@ -55,8 +53,21 @@ def resolve_source(spec: str | os.PathLike) -> Source:
         return Source("hub", text, text.split("/")[1])
     raise ModelNotFoundError(
         f"unknown model {text!r}. Use a bundled name ({', '.join(sorted(BUNDLED))}), a local transformers "
-        "folder, a local .gguf file, a hub id ('org/name') or a GGUF file in a hub repo ('org/name:file.gguf')."
+        "folder, a local .gguf file, a hub id ('org/name'), a GGUF file in a hub repo ('org/name:file.gguf') "
+        "or a model in your Ollama or LM Studio store ('ollama:qwen2.5:0.5b', 'lmstudio:publisher/repo')."
     )
+
+
+def gguf_source(path: Path, name: str) -> Source:
+    """A local GGUF file's Source, once its first bytes say it is one."""
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelNotFoundError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); it may be "
+            "truncated or another format: re-download it."
+        )
+    return Source("gguf", str(path.resolve()), name)
 
 
 def resolve_backend(source: Source, options: MemberOptions, cache_dir=None, progress: bool = False) -> str:
@@ -104,6 +115,8 @@ def gguf_file(source: Source, cache_dir=None, progress: bool = True, revision: s
         return fetch_bundled(BUNDLED[source.ref], cache_dir, progress=progress)
     if source.kind == "gguf":
         return Path(source.ref)
+    if source.kind == "store":
+        return store_gguf(source.ref)[0]
     repo, filename = split_hub_ref(source.ref)
     return hub_file(repo, filename, revision, progress=progress)
 
