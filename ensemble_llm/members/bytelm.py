@@ -285,7 +285,7 @@ class ByteLM:
 
     def _rescue(self, beams: Sequence[Beam], need: Sequence[set[int]], out: np.ndarray) -> None:
         """Take in each beam's deferred fresh hypothesis where it could move a needed byte's
-        log-probability by more than RESCUE (relative), their contexts in one forward."""
+        log-probability by more than LOG_RESCUE (relative), their contexts in one forward."""
         late = []
         for i, (beam, wanted) in enumerate(zip(beams, need)):
             h = beam.spare
