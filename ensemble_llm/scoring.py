@@ -92,7 +92,7 @@ def byte_steps(
     step_of: dict[bytes, tuple[float, np.ndarray, bool]] = {}  # prefix + byte -> its step
     for depth in range(max((len(t) for t in texts), default=0)):
         rows = sorted({t[:depth] for t in texts if len(t) > depth})
-        need = [{t[depth] for t in texts if len(t) > depth and t[:depth] == x} for x in rows]
+        need = [{t[depth] for t in texts if len(t) > depth and t[:depth] == x} for x in rows]  # bytes read after each
         asks = [lm.next_logprobs_async([frontier[x][0][k] for x in rows], need) for k, lm in enumerate(lms)]
         logq = np.stack([a.get() for a in asks], axis=1)  # [rows, K, 257]
         following: dict[bytes, tuple[list[Any], np.ndarray]] = {}
@@ -101,7 +101,7 @@ def byte_steps(
             joint = lp[:, None] + logq[r]  # [K, 257]: log P_k(x b)
             psi = f_ensemble(joint, tau, w, axis=0)  # [257]: log psi(x b)
             total = np.logaddexp.reduce(psi)
-            for b in sorted({t[depth] for t in texts if len(t) > depth and t[:depth] == x}):
+            for b in sorted(need[r]):
                 ens = float(psi[b] - total) if np.isfinite(total) else NEG_INF
                 step_of[x + bytes([b])] = (ens, logq[r, :, b].copy(), bool(psi[b] >= psi.max()))
                 following[x + bytes([b])] = ([lm.advance(s, b) for lm, s in zip(lms, states)], joint[:, b].copy())

@@ -36,7 +36,7 @@ def resolve_source(spec: str | os.PathLike) -> Source:
         return Source("bundled", text, text)
     if is_store_ref(text):  # a model in the user's Ollama or LM Studio store: its GGUF file
         blob, name = store_gguf(text)
-        gguf_source(blob, name)
+        check_gguf(blob)
         return Source("store", text, name)
     path = Path(text).expanduser()
     hub = split_hub_ref(text)
@@ -45,7 +45,8 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {path} does not exist; pass the path of an existing .gguf file.")
-        return gguf_source(path, path.stem)
+        check_gguf(path)
+        return Source("gguf", str(path.resolve()), path.stem)
     if path.is_dir():
         check_model_folder(path)
         return Source("dir", str(path.resolve()), path.name)
@@ -58,8 +59,8 @@ def resolve_source(spec: str | os.PathLike) -> Source:
     )
 
 
-def gguf_source(path: Path, name: str) -> Source:
-    """A local GGUF file's Source, once its first bytes say it is one."""
+def check_gguf(path: Path) -> None:
+    """A file's first bytes must say it is a GGUF file."""
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
@@ -67,7 +68,6 @@ def gguf_source(path: Path, name: str) -> Source:
             f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); it may be "
             "truncated or another format: re-download it."
         )
-    return Source("gguf", str(path.resolve()), name)
 
 
 def resolve_backend(source: Source, options: MemberOptions, cache_dir=None, progress: bool = False) -> str:

@@ -177,14 +177,9 @@ class RemoteByteLM:
     ) -> None:
         self.member = member
         self.handle = _Handle(member)
+        # "lazy" (defer the fresh hypothesis' forward) is kept eagerly there: the same figures
         member._submit(
-            # "lazy" (defer the fresh hypothesis' forward) is kept eagerly there: the same figures
-            "bytelm",
-            self.handle.id,
-            int(beam_width),
-            float(prune_threshold),
-            float(temperature),
-            bool(keep_fresh),
+            "bytelm", self.handle.id, int(beam_width), float(prune_threshold), float(temperature), bool(keep_fresh)
         )
         self._pending: list[tuple[list[RemoteBeam], Pending]] = []
         self._advances: list[tuple[RemoteBeam, RemoteBeam, int]] = []
