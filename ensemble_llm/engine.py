@@ -239,8 +239,8 @@ class Ensemble(Scorer):
             if kind not in self._auto:
                 from .calibrate import Calibrator
 
-                keys = [  # the backend too: llama.cpp's log-probs are its quantized kernels', not transformers'
-                    f"{s.ref}|{json.dumps(p, sort_keys=True)}|{m.dtype}{'|llama.cpp' * (m.backend == 'llama.cpp')}"
+                keys = [  # what computes the log-probs too: llama.cpp's quantized kernels are not transformers'
+                    f"{s.ref}|{json.dumps(p, sort_keys=True)}|{m.dtype}{'|' * bool(m.numerics)}{m.numerics}"
                     for s, p, m in zip(self.sources, self.preambles, members)
                 ]
                 self._auto[kind] = Calibrator(self.cache_dir).weights(members, keys, kind, self._chat_prompt)

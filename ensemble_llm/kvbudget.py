@@ -118,6 +118,8 @@ class KVBudget:
                 by_member.setdefault(i, []).append(part)
         for parts in by_member.values():
             dev, per_token, _, padded = parts[0]
+            if not per_token:  # no KV cache here (a member on a server), or none known
+                continue
             units = len(parts) * max(p[2] for p in parts) if padded else sum(p[2] for p in parts)
             out[dev] = out.get(dev, 0) + per_token * units
         return out

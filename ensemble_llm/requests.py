@@ -17,7 +17,18 @@ from .params import FIELDS as PARAM_FIELDS
 from .params import GenerationParams, _check_text
 
 ROLES = ("system", "user", "assistant", "tool")
-MEMBER_KEYS = ("model", "preamble", "revision", "device_map", "max_memory", "offload_folder", "quantization", "backend")
+MEMBER_KEYS = (  # "model", "preamble" and members/options.py's OPTION_KEYS (not imported: it needs torch)
+    "model",
+    "preamble",
+    "revision",
+    "device_map",
+    "max_memory",
+    "offload_folder",
+    "quantization",
+    "backend",
+    "url",
+    "timeout",
+)
 
 
 class Settings(TypedDict, total=False):
@@ -56,6 +67,10 @@ class Job:
         """The reply's fixed start that ends every member's prompt instead of being generated
         (`Constraint.head`: a forced call to the one allowed tool); "" for other requests."""
         return self.params.constraint.head if self.params.constraint else ""
+
+    def deadline(self) -> float | None:
+        """When the request must end (time.perf_counter()), or None without a timeout."""
+        return None if self.params.timeout is None else self.submitted + self.params.timeout
 
     def check_deadline(self) -> None:
         """RequestTimeout once `timeout` seconds have passed since the request was submitted

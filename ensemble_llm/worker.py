@@ -110,7 +110,7 @@ class Worker:
                 job.check_deadline()  # it may have expired while waiting in the queue
                 self._load()  # loading and calibration run once, outside the guard, so a short timeout
                 # cannot cut them off midway and make every request redo them
-                ctx = RequestContext(check=guard, scheduler=self.scheduler)
+                ctx = RequestContext(check=guard, scheduler=self.scheduler, deadline=job.deadline())
                 with self.scheduler.request(ctx), request_scope(ctx):
                     result = self._execute(job, emit, cancel)
                 if attempt:

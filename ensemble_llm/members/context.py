@@ -50,6 +50,7 @@ class RequestContext:
     part: bool = False
     # per member: the prompt state score_prompt prefilled, for the prefill that follows (its prompt runs once)
     ready: dict[int, Any] = field(default_factory=dict)
+    deadline: float | None = None  # time.perf_counter() by which the request must end (a server member's waits)
 
     def run_check(self) -> None:
         if self.check is not None:
@@ -90,6 +91,12 @@ def current_check() -> Callable[[], None] | None:
     when the request does (a Ray actor's answer, the KV budget)."""
     ctx = _CURRENT.get()
     return None if ctx is None else ctx.check
+
+
+def current_deadline() -> float | None:
+    """When the current request must end (time.perf_counter()), or None."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else ctx.deadline
 
 
 def current_tally() -> Tally | None:

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
+from .backends import loader_of
 from .convert import TRANSFORMERS_LOADS, convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
 from .fetch import cache_root, fetch_bundled
 from .hub import hub_file, hub_folder, split_hub_ref
@@ -51,8 +52,10 @@ def gguf_tokenizer(source: Source, path: Path, cache_dir=None):
     return load_cached_tokenizer(gguf_tokenizer_folder(source, path, cache_dir))
 
 
-def load_llama_member(source: Source, dev: torch.device, options: MemberOptions, cache_dir, progress, slots: int):
-    """A GGUF member on llama.cpp (llama.py), its context sized for `slots` requests."""
+def load_llama_member(source: Source, dev: torch.device, dt, options: MemberOptions, cache_dir, progress, *args):
+    """A GGUF member on llama.cpp (llama.py), its context sized for `slots` requests (the last of
+    `args`: trust_remote_code, context_tokens, slots; the backends' one signature)."""
+    slots = args[-1]
     from .llama import LlamaMember, check_tokenizer, open_runner
     from .plan import gguf_params_and_config, kv_bytes_per_token
 
@@ -319,16 +322,13 @@ def load_member(
     with lock:  # one load per model; different models may load in parallel
         if key in _CACHE:
             return _CACHE[key]
-        if backend == "llama.cpp":
-            _CACHE[key] = load_llama_member(source, dev, options, cache_dir, progress, slots)
-        else:
-            hf = (source, dev, dt, options, cache_dir, progress, trust_remote_code, context_tokens)
-            _CACHE[key] = load_hf_member(*hf)
+        load = loader_of(backend)
+        _CACHE[key] = load(source, dev, dt, options, cache_dir, progress, trust_remote_code, context_tokens, slots)
         return _CACHE[key]
 
 
 def load_hf_member(
-    source: Source, dev, dt, options: MemberOptions, cache_dir, progress, trust_remote_code, context_tokens
+    source: Source, dev, dt, options: MemberOptions, cache_dir, progress, trust_remote_code, context_tokens, slots=8
 ) -> Member:
     """A member on transformers, its memory plan checked first (members/plan.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

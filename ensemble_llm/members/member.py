@@ -55,6 +55,12 @@ class TokenizerView:
     remote = False  # True for a member whose model runs in a Ray actor (its forwards run apart)
     tokenizer_folder: str | None = None  # a folder whose tokenizer we cached (convert.load_cached_tokenizer)
 
+    @property
+    def numerics(self) -> str:
+        """What computes this member's log-probs, where it is not transformers in this process
+        (cached figures such as the calibrated weights are kept apart by it)."""
+        return "llama.cpp" if getattr(self, "backend", "") == "llama.cpp" else ""
+
     def _init_tokens(self, name: str, tokenizer, vocab_size: int, eos_ids, source: str) -> None:
         self.name = name
         self.tokenizer = tokenizer

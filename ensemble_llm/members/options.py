@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from .backends import BACKENDS as _REGISTRY
 
-OPTION_KEYS = ("revision", "device_map", "max_memory", "offload_folder", "quantization", "backend")
+OPTION_KEYS = ("revision", "device_map", "max_memory", "offload_folder", "quantization", "backend", "url", "timeout")
 # "auto": a GGUF member (bundled, a .gguf file, a hub repo's .gguf) runs on llama.cpp when
 # llama-cpp-python is installed, at the file's own quantization; any other member on transformers
-BACKENDS = ("auto", "llama.cpp", "transformers")
+BACKENDS = ("auto", *_REGISTRY)
 QUANTIZATIONS = ("int8", "int4")
 # bytes one quantized linear-layer parameter takes (scales and zero points not counted)
 QUANT_BYTES = {"int8": 1.0, "int4": 0.5}
@@ -41,7 +42,8 @@ class MemberOptions:
     ("auto", "balanced", "balanced_low_0", "sequential") or module -> device pairs, so one member
     may span several GPUs, GPU and CPU, or CPU and disk. max_memory: device -> bytes it may use
     (GPU index, "cpu", "disk", "mps"); offload_folder: where layers that fit nowhere else go.
-    backend: "auto", "llama.cpp" or "transformers" (`BACKENDS`).
+    backend: "auto", "llama.cpp", "transformers" or "server" (`BACKENDS`); url and timeout (seconds
+    a call may wait) for backend="server", whose model runs in the server at `url`.
     max_memory or offload_folder without a device_map mean device_map="auto". quantization: None
     (the dtype's own weights), "int8" or "int4": the linear layers' weights are quantized as they
     load (bitsandbytes on CUDA, torchao on CPU; members/loader.py quantization_kwargs)."""
@@ -52,6 +54,8 @@ class MemberOptions:
     offload_folder: str | None = None
     quantization: str | None = None
     backend: str = "auto"
+    url: str | None = None
+    timeout: float | None = None
 
     @property
     def spans(self) -> bool:
@@ -170,6 +174,7 @@ def member_options(raw: dict, where: str) -> MemberOptions:
     backend = raw.get("backend", "auto")
     if backend not in BACKENDS:
         raise ConfigError(f"{where} backend={backend!r} is not one of {list(BACKENDS)}.")
+    url, timeout = _server_options(raw, backend, where)
     return MemberOptions(
         revision=revision,
         device_map=device_map,
@@ -177,4 +182,25 @@ def member_options(raw: dict, where: str) -> MemberOptions:
         offload_folder=os.fspath(folder) if folder is not None else None,
         quantization=quantization,
         backend=backend,
+        url=url,
+        timeout=timeout,
     )
+
+
+def _server_options(raw: dict, backend: str, where: str) -> tuple[str | None, float | None]:
+    """The url and timeout of a member on a server; each is an error on any other backend."""
+    for key in ("url", "timeout"):
+        own = _REGISTRY[backend].own_options if backend in _REGISTRY else ()
+        if raw.get(key) is not None and key not in own:
+            raise ConfigError(f"{where} {key}= applies to backend='server' (a model in a running server); add it.")
+    if backend != "server":
+        return None, None
+    url = raw.get("url")
+    if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", url):
+        raise ConfigError(
+            f"{where} backend='server' needs url= the server's address, such as 'http://127.0.0.1:8080'; got {url!r}"
+        )
+    timeout = raw.get("timeout", 60.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"{where} timeout must be a number of seconds > 0, got {timeout!r}")
+    return url.rstrip("/"), float(timeout)

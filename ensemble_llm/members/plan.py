@@ -411,9 +411,13 @@ def _labels(dtype: torch.dtype, quantization: str | None, origin: str) -> tuple[
 def _member_row(source, dev: torch.device, dt, opts: MemberOptions, cache_dir, context_tokens, free, slots):
     """One member's plan row. On llama.cpp a GGUF's weights are the file (mapped as it is, at its own
     quantization) and its KV cache is float16, its context's cells for `slots` requests."""
+    from .backends import BACKENDS
     from .sources import LLAMA_CONTEXT, gguf_file, resolve_backend
 
-    if resolve_backend(source, opts, cache_dir) == "llama.cpp":
+    backend = resolve_backend(source, opts, cache_dir)
+    if not BACKENDS[backend].in_process:  # its weights and KV cache are the server's
+        return MemberPlan(source.name, None, backend, None, None, 0, (), f"in the {backend} at {opts.url}")
+    if backend == "llama.cpp":
         path = gguf_file(source, cache_dir, progress=False, revision=opts.revision)
         size = gguf_size(path)
         weight, dtype_name, kv_dtype = path.stat().st_size, "gguf", torch.float16

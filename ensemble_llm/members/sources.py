@@ -80,6 +80,13 @@ def resolve_backend(source: Source, options: MemberOptions, cache_dir=None, prog
 
     gguf = source.kind in GGUF_KINDS
     only_hf = options.quantization is not None or options.spans
+    if options.backend == "server":
+        if only_hf:
+            raise ConfigError(
+                f"member {source.ref!r} runs on the server at {options.url}, so quantization and "
+                "device_map/max_memory/offload_folder do not apply (the server loaded it); drop them."
+            )
+        return "server"
     if options.backend == "transformers":
         return "transformers"
     if options.backend == "llama.cpp":

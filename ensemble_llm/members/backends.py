@@ -1,0 +1,39 @@
+"""Floor 1: the backends a member runs on, by name, and what loads each one.
+
+A backend is a folder or module of its own plus one entry here: the loader (`module:function`
+under ensemble_llm.members, imported only when a member of that backend loads), whether its
+weights and KV cache live in this process (the memory plan and the KV budget size them), and the
+member options that apply to it alone. `options`, `sources`, `loader` and `plan` read this table;
+nothing else names a backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    loader: str  # "module:function", relative to ensemble_llm.members
+    in_process: bool  # its weights and KV cache are this process's to plan
+    runs_gguf_only: bool  # it takes a GGUF file, not a transformers folder
+    own_options: tuple[str, ...] = ()  # member options that only this backend takes
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("llama.cpp", "loader:load_llama_member", in_process=True, runs_gguf_only=True),
+        Backend("transformers", "loader:load_hf_member", in_process=True, runs_gguf_only=False),
+        Backend("server", "server.load:load_server_member", False, False, own_options=("url", "timeout")),
+    )
+}
+
+
+def loader_of(name: str) -> Callable:
+    """The function that loads a member of backend `name` (see `load_member`)."""
+    module, func = BACKENDS[name].loader.split(":")
+    return getattr(importlib.import_module(f"ensemble_llm.members.{module}"), func)

@@ -1,0 +1,331 @@
+"""A member whose model runs in a llama.cpp server (`llama-server`) that this process does not own.
+
+Tokenization stays here (`TokenizerView`, the model's own tokenizer, checked against the server's
+`/tokenize` at connect), and every prompt goes to the server as token ids. A state is only its
+ids: the server keeps their KV in its prompt cache, so each call sends the whole prefix and the
+server computes only what it has not seen. Two kinds of request do everything:
+- a continuation (`_ahead`): the next row after a prefix and the server's own next `LOOKAHEAD`
+  tokens (greedy, or drawn at the method's temperature), each with its row, so a method that
+  follows the member's own tokens reads them without another request;
+- a forced run (`_forced`): given tokens written by a token-id grammar, each with its exact log-prob
+  and the top log-probs before it (scoring a candidate, a prompt's answer, a verifier's rows).
+Concurrent requests send concurrently, and the server's continuous batching batches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..context import current_tally
+from ..member import TokenizerView
+from ..protocol import PromptScore
+from ..scheduler import outside_steps
+from .client import ServerClient
+from .rows import ANY_SERVER, ServerRow, missing
+
+LOOKAHEAD = 16  # tokens of the server's own continuation asked with each next row
+GREEDY = (0.0, 1.0)
+NO_BYTES = "smc and scoring walk every token's probability at each byte, which a server does not send"
+
+
+@dataclass(eq=False)
+class ServerState:
+    """The ids of one sequence; the server holds their KV (its prompt cache)."""
+
+    ids: list
+    next_row: ServerRow | None = None
+    scored: list | None = None  # score_inline(keep=True)'s [(candidate, row after it)]
+
+    @property
+    def next_logprobs(self) -> ServerRow | None:
+        return self.next_row
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class ServerMember(TokenizerView):
+    """A model on a llama.cpp server, with its tokenizer here (see the module)."""
+
+    backend = "server"
+    capabilities: frozenset[str] = frozenset()  # no whole rows, no raw logits, no byte walk
+    kv_per_token = None  # its KV is the server's
+    kv_padded = False
+    kv_capacity = None
+    numerics = ""  # set per server in __init__
+
+    def __init__(self, name: str, client: ServerClient, tokenizer, info: dict, *, top_k: int, source: str) -> None:
+        self.client, self.url, self.top_k = client, client.url, int(top_k)
+        self._init_tokens(name, tokenizer, info["n_vocab"], [], source)
+        self.device, self.dtype = torch.device("cpu"), torch.float32  # what it sends back: float log-probs
+        self.context_window = int(info["n_ctx"])
+        self.n_params = int(info.get("n_params") or 0)
+        self.kv_device = f"server:{self.url}"
+        # the server's llama.cpp runs the member's own GGUF file (same name): its log-probs are llama.cpp's
+        same = info.get("model_file") and info.get("model_file") == info.get("member_file")
+        self.numerics = "llama.cpp" if same else f"server:{info.get('model_file') or self.url}"
+        self.n_forward, self.n_prefill, self.forward_time = 0, 0, 0.0
+
+    def __repr__(self) -> str:
+        return f"ServerMember({self.name!r}, {self.url})"
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _completion(self, prompt: Sequence[int], n: int, extra: dict, k: int | None = None) -> list[dict]:
+        """The server's `n` tokens after `prompt`, each with its log-prob and the top-k before it."""
+        body = {
+            "prompt": [int(t) for t in prompt],
+            "n_predict": n,
+            "n_probs": k or self.top_k,
+            "post_sampling_probs": False,  # log-probs of the raw logits, before any sampler
+            "cache_prompt": True,
+            "stream": False,
+            **extra,
+        }
+        t0 = time.perf_counter()
+        with outside_steps():  # the step scheduler does not wait for a request on the wire
+            ans = self.client.post("/completion", body)
+        self._counted(time.perf_counter() - t0)
+        return ans.get("completion_probabilities") or []
+
+    def _chain(self, prompt: Sequence[int], entries: list[dict], mode, forced: int) -> list[ServerRow]:
+        """Rows for the positions after `prompt` that `entries` describe, each linked to the next."""
+        seq = tuple(int(t) for t in prompt) + tuple(int(e["id"]) for e in entries)
+        rows: list[ServerRow] = []
+        for j, e in enumerate(entries):
+            top = [(int(t["id"]), float(t["logprob"])) for t in e["top_logprobs"]]
+            row = ServerRow(self, seq, len(prompt) + j, top)
+            row.values.setdefault(int(e["id"]), float(e["logprob"]))  # whatever wrote it, its raw log-prob
+            if j < forced or mode is not None:
+                row.follow(e["id"], e["logprob"], None if j < forced else mode)
+            if rows:
+                rows[-1].child = row
+            rows.append(row)
+        if forced and len(rows) > forced:  # after the last forced token the grammar only lets an end token
+            rows[forced].token, rows[forced].mode = None, None
+        return rows
+
+    def _ahead(self, prompt: Sequence[int], mode=GREEDY, seed: int | None = None, k: int | None = None) -> ServerRow:
+        """The row after `prompt`, with the server's next LOOKAHEAD tokens drawn at `mode`."""
+        t, p = mode
+        extra: dict[str, Any] = {"temperature": 0.0}
+        if t > 0:
+            extra = {"temperature": t, "top_p": p, "samplers": ["temperature", "top_p"], "seed": seed}
+        entries = self._completion(prompt, LOOKAHEAD, extra, k)
+        if not entries:
+            raise missing(self, "it answered a completion with no log-probs", "update the server.")
+        return self._chain(prompt, entries, mode, 0)[0]
+
+    def _forced(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[ServerRow]:
+        """Rows after prompt, prompt + tokens[:1], ... (up to the row before an end token, which
+        ends the run): `tokens` written by a token-id grammar, each with its exact log-prob. An end
+        token is scored apart (`_biased`): a grammar cannot write one."""
+        toks = [int(t) for t in tokens]
+        cut = next((i for i, t in enumerate(toks) if t in self.eos_ids), None)
+        body, end = (toks, None) if cut is None else (toks[:cut], toks[cut])
+        if body:
+            grammar = "root ::= " + " ".join(f"<[{t}]>" for t in body)
+            entries = self._completion(prompt, len(body) + 1, {"temperature": 0.0, "grammar": grammar})
+            rows = self._chain(prompt, entries, None, len(body))
+        else:
+            rows = [self._biased(prompt, end)]
+        if end is not None and len(rows) > len(body) and end not in rows[len(body)].values:
+            last = rows[len(body)]
+            last.values[end] = self._biased(last.prefix, end).values[end]
+        return rows[: len(body) + 1]
+
+    def _biased(self, prompt: Sequence[int], token: int) -> ServerRow:
+        """The row after `prompt` with `token`'s exact log-prob: the token is written by a logit
+        bias (the log-probs sent are the raw logits', before it)."""
+        entries = self._completion(prompt, 1, {"temperature": 0.0, "logit_bias": [[int(token), 1000.0]]})
+        row = self._chain(prompt, entries, None, 1)[0]
+        if row.token != int(token):
+            raise missing(self, f"its logit bias did not write token {token}", "update the server.")
+        return row
+
+    # ---- what rows ask -----------------------------------------------------------------------
+    def value_at(self, row: ServerRow, token: int) -> float:
+        return self._biased(row.prefix, token).values[int(token)]
+
+    def widen(self, row: ServerRow, n: int) -> None:
+        wide = self._ahead(row.prefix, k=n)
+        row.values.update(wide.values)
+        row.order = wide.order
+
+    def draw(self, row: ServerRow, temperature: float, top_p: float, seed: int) -> None:
+        got = self._ahead(row.prefix, (temperature, top_p), seed)
+        row.follow(got.token, got.values[got.token], (temperature, top_p))
+        row.child = got.child
+
+    # ---- accounting --------------------------------------------------------------------------
+    def _counted(self, seconds: float, prefills: int = 0) -> None:
+        self.n_forward += 1
+        self.forward_time += seconds
+        tally = current_tally()
+        if tally is not None:
+            tally.add(self, 1, seconds, prefills)
+
+    def counters(self) -> tuple[int, float, int, int, int]:
+        tally = current_tally()
+        if tally is not None:
+            return (*tally.of(self), 0, 0)
+        return self.n_forward, self.forward_time, self.n_prefill, 0, 0
+
+    def prompt_reused(self) -> int:
+        return 0  # the server's prompt cache reuses prompts; it does not say how much per request
+
+    # ---- the state API -------------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int]) -> ServerState:
+        ready = self._take_ready(ids)
+        if ready is not None:
+            return ready
+        if not ids:
+            raise ValueError("prefill() needs at least one token id")
+        state = ServerState([int(i) for i in ids])
+        state.next_row = self._ahead(state.ids)
+        self.n_prefill += 1
+        tally = current_tally()
+        if tally is not None:
+            tally.add(self, 0, 0.0, 1)
+        return state
+
+    def extend(self, state: ServerState, ids: Sequence[int], last_only: bool = False) -> list[ServerRow]:
+        """Rows after each of `ids` (the last only when `last_only`): along the server's own
+        continuation while `ids` follow it, else in one request."""
+        if not ids:
+            raise ValueError("extend() needs at least one token id")
+        ids = [int(i) for i in ids]
+        self.drop_candidates(state)
+        rows, row, i = [], state.next_row, 0
+        while row is not None and i < len(ids) and row.token == ids[i] and row.child is not None:
+            row = row.child
+            rows.append(row)
+            i += 1
+        if i < len(ids):
+            prefix = state.ids + ids[:i]
+            if last_only or i == len(ids) - 1:
+                rows.append(self._ahead(prefix + ids[i:]))
+            else:
+                rows += self._forced(prefix + ids[i : i + 1], ids[i + 1 :])
+        state.ids += ids
+        state.next_row = rows[-1]
+        return rows[-1:] if last_only else rows
+
+    def crop(self, state: ServerState, n: int) -> None:
+        self.drop_candidates(state)
+        if not 0 <= n <= len(state.ids):
+            raise ValueError(f"crop({n}) out of range for a state of {len(state.ids)} tokens")
+        if n < len(state.ids):
+            del state.ids[n:]
+            state.next_row = None
+
+    @contextlib.contextmanager
+    def scratch(self, state: ServerState):
+        base = len(state.ids)
+        saved = self.ensure_next(state)
+        try:
+            yield state
+        finally:
+            self.crop(state, base)
+            state.next_row = saved
+
+    def ensure_next(self, state: ServerState) -> ServerRow:
+        if state.next_row is None:
+            state.next_row = self._ahead(state.ids)
+        return state.next_row
+
+    # ---- specfuse's candidates -----------------------------------------------------------------
+    def score_inline(
+        self, state: ServerState, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
+    ) -> list[torch.Tensor]:
+        """Each candidate's log-probs: along the server's own continuation when it is that, else
+        written by a grammar in one request each."""
+        if not candidates or any(len(c) == 0 for c in candidates):
+            raise ValueError("score_inline needs non-empty candidates")
+        if raw_logits:
+            raise missing(self, "raw logits are asked (SpecFuseConfig score='logit')", "use score='logprob'.")
+        self.drop_candidates(state)
+        first = self.ensure_next(state)
+        out, kept = [], []
+        for cand in candidates:
+            cand = [int(t) for t in cand]
+            rows = self._along(first, cand) or self._forced(state.ids, cand)
+            out.append(torch.tensor([r.values[t] for r, t in zip(rows, cand)], dtype=torch.float32))
+            kept.append((cand, rows[len(cand)] if len(rows) > len(cand) else None))
+        state.scored = kept if keep else None
+        return out
+
+    @staticmethod
+    def _along(row: ServerRow, cand: list[int]) -> list[ServerRow] | None:
+        """The rows of `cand` when it is the continuation already held from `row`, else None."""
+        rows = [row]
+        for t in cand:
+            if rows[-1].token != t or rows[-1].child is None:
+                return None
+            rows.append(rows[-1].child)
+        return rows
+
+    def keep_candidate(self, state: ServerState, index: int) -> None:
+        cand, after = state.scored[index]
+        state.ids += cand
+        state.next_row = after
+        state.scored = None
+
+    def drop_candidates(self, state: ServerState) -> None:
+        state.scored = None
+
+    # ---- whole prompts -------------------------------------------------------------------------
+    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]:
+        """log p(ids[q] | ids[:q]) and its gap below the row's best, a forced run per run of
+        consecutive positions."""
+        ids, scores = [int(i) for i in ids], {}
+        for run in _runs(sorted({int(q) for q in positions})):
+            rows = self._forced(ids[: run[0]], ids[run[0] : run[-1] + 1])
+            for q, row in zip(run, rows):
+                best = row.values[row.order[0]]
+                scores[q] = PromptScore(row.values[ids[q]], row.values[ids[q]] - best)
+        return [scores[int(q)] for q in positions]
+
+    def greedy_after(self, ids: Sequence[int], continuation: Sequence[int], tie: float = 1e-4) -> bool:
+        """As `TokenizerView.greedy_after`, from the rows of the continuation written after `ids`."""
+        cont = [int(t) for t in continuation]
+        if not cont:
+            raise ValueError("greedy_after() needs at least one token of continuation")
+        state = self.prefill(ids)
+        try:
+            rows = self._along(state.next_row, cont) or self._forced(state.ids, cont)
+            return all(r.values[t] >= r.values[r.order[0]] - tie for r, t in zip(rows, cont))
+        finally:
+            self._ready_slot(state)
+
+    def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
+        tgt = [int(t) for t in target_ids]
+        rows = self._forced(prompt_ids, tgt)
+        return float(sum(r.values[t] for r, t in zip(rows, tgt)))
+
+    def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool | str = False):
+        raise missing(self, NO_BYTES, ANY_SERVER)
+
+    def kv_tensor(self, state: ServerState) -> torch.Tensor:
+        raise missing(self, NO_BYTES, ANY_SERVER)
+
+    def forward_rows(self, prefix_kv, paths, tokens):
+        raise missing(self, NO_BYTES, ANY_SERVER)
+
+
+def _runs(positions: list[int]) -> list[list[int]]:
+    """Consecutive stretches of sorted positions ([3, 4, 5, 9] -> [[3, 4, 5], [9]])."""
+    out: list[list[int]] = []
+    for q in positions:
+        if out and q == out[-1][-1] + 1:
+            out[-1].append(q)
+        else:
+            out.append([q])
+    return out

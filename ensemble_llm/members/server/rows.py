@@ -1,0 +1,102 @@
+"""A row of a server member: what the server said about the next token after one prefix.
+
+A server sends the top `k` log-probs of a position (from the raw logits, before any sampler) and
+the log-prob of the token it wrote there, not the whole row. A row also holds the server's
+continuation when one came with it (`token`, and `child`: the row after that token), so a method
+that follows the member's own greedy or sampled tokens reads them without a request. A value the
+row lacks is asked of the server, exactly (`ServerMember.value_at`); whatever needs the whole row
+(a constrained pick, smc's byte walk) is refused by name (`CapabilityError`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ...errors import RequestError
+from ..rows import Ready
+
+if TYPE_CHECKING:
+    from .member import ServerMember
+
+
+class CapabilityError(RequestError):
+    """A method or request needs something a member's backend does not give."""
+
+    code = "unsupported_by_member"
+
+
+def missing(member: Any, what: str, servers: str) -> CapabilityError:
+    return CapabilityError(
+        f"member {member.name!r} runs on a server ({member.url}), which gives the top {member.top_k} log-probs "
+        f"of a position and exact scores of given tokens, but {what}; {servers}"
+    )
+
+
+FULL_ROWS = "the whole row of next-token log-probs is needed here (constrained output: tools, JSON)"
+ANY_SERVER = "run this member in process (drop backend='server') for it."
+
+
+class ServerRow:
+    """log p(. | prefix) as far as the server told it (see the module)."""
+
+    __slots__ = ("member", "seq", "n", "values", "order", "token", "mode", "child", "used")
+
+    def __init__(self, member: "ServerMember", seq: tuple[int, ...], n: int, top: Sequence[tuple[int, float]]) -> None:
+        self.member, self.seq, self.n = member, seq, n  # prefix = seq[:n]
+        self.values: dict[int, float] = dict(top)
+        self.order = [t for t, _ in top]  # the top ids, best first
+        self.token: int | None = None  # the server's token here (greedy, sampled or forced)
+        self.mode: tuple[float, float] | None = None  # (temperature, top_p) `token` was drawn with; None: forced
+        self.child: ServerRow | None = None  # the row after `token`
+        self.used = False  # a drawn token is a sample once
+
+    @property
+    def prefix(self) -> list[int]:
+        return list(self.seq[: self.n])
+
+    def follow(self, token: int, value: float, mode: tuple[float, float] | None) -> None:
+        self.token, self.mode, self.used = int(token), mode, False
+        self.values.setdefault(int(token), float(value))
+
+    # ---- what members.rows asks ----------------------------------------------------------
+    def top(self, n: int) -> Ready:
+        if n > len(self.order):
+            self.member.widen(self, n)
+        return Ready(([self.values[t] for t in self.order[:n]], self.order[:n]))
+
+    def take(self, ids: Sequence[int]) -> Ready:
+        ids = [int(i) for i in ids]
+        for t in ids:
+            if t not in self.values:
+                self.values[t] = self.member.value_at(self, t)
+        return Ready([self.values[t] for t in ids])
+
+    def query(self, ids: Sequence[int]) -> Ready:
+        return Ready((self.order[0], self.take(ids).get()))
+
+    def pick(self, temperature: float, top_p: float, generator) -> int:
+        """argmax at temperature 0; else a draw the server made at this position with these settings
+        (softmax(logits / T) cut to top_p), each draw used once."""
+        if temperature <= 0.0:
+            return self.order[0]
+        if not (self.mode == (temperature, top_p) and self.token is not None and not self.used):
+            seed = _draw(generator) if generator is not None else random.getrandbits(31)
+            self.member.draw(self, temperature, top_p, seed)
+        self.used = True
+        return int(self.token)
+
+    def masked(self, allowed, adds, n):
+        raise missing(self.member, FULL_ROWS, ANY_SERVER)
+
+    def merge(self, merges) -> None:
+        raise missing(self.member, FULL_ROWS, ANY_SERVER)
+
+    def fetch(self):
+        raise missing(self.member, FULL_ROWS, ANY_SERVER)
+
+
+def _draw(generator) -> int:
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
