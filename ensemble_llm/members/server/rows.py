@@ -52,6 +52,10 @@ class ServerRow:
         self.used = False  # a drawn token is a sample once
 
     @property
+    def shape(self) -> tuple[int]:
+        return (self.member.vocab_size,)
+
+    @property
     def prefix(self) -> list[int]:
         return list(self.seq[: self.n])
 
