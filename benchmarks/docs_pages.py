@@ -139,6 +139,18 @@ STUDIES = {
         "4-choice question costs against the members scoring it alone (`benchmarks/score_cost.py`).",
         ["mc_accuracy/report.md", "score_cost/results.md"],
     ),
+    "server_members": (
+        "Members on a llama.cpp server",
+        "Whether a member on `llama-server` (docs/servers.md) writes what the same GGUF writes in process, "
+        "and what the server costs. One llama-server over the bundled SmolLM2 GGUF (--parallel 8, "
+        "loopback, built from the llama-cpp-python sdist's sources); every configuration in a fresh "
+        "process. Identity: 40 greedy prompts (28 qa_wikidata few-shot, 12 chat) for every method the "
+        "server allows, SmolLM2 on the server and Gemma in process against both in process. Speed: "
+        "`single` through the server member against the server's own /completion on the same prompts "
+        "(one client), and 8 clients at once against 1. `python benchmarks/server_members.py "
+        "benchmarks/results/server_members/results.json`.",
+        ["server_members/results.md"],
+    ),
     "chat": (
         "Chat on llama.cpp members",
         "Whether the ensemble holds up in chat: `chat_facts` (45 factual questions, each sent as one chat "

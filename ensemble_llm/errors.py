@@ -37,6 +37,13 @@ class KVBudgetError(RequestError):
     code = "kv_budget_exceeded"
 
 
+class CapabilityError(RequestError):
+    """A method or request needs what a member's backend does not give (a member on a server has no
+    whole rows of log-probs, for instance); the engine stays usable after it."""
+
+    code = "unsupported_by_member"
+
+
 class GenerationError(EnsembleError, RuntimeError):
     """A failure inside generation; the engine stays usable after it."""
 

@@ -14,11 +14,11 @@ would not fit even alone is refused at once with a KVBudgetError (a RequestError
 
 `kv_budget`: "auto" (on CUDA 90% of the device memory free once the weights are loaded, on the
 CPU half the RAM then available: psutil), a number of bytes or a size string ("2GB", "512MiB"),
-or None (no limit). A llama.cpp member counts on a device of its own, its requests' cells unpadded,
-its limit never above what its context holds (`LlamaMember.kv_capacity`). A member in a Ray actor
-counts on a device of its own (`RayMember.kv_device`),
-its "auto" limit the same share of the memory its actor found free once loaded (actors that share
-a GPU or a node each take that share: set a byte count there).
+or None (no limit). Each member says what to count (`TokenLM.kv_account`): a llama.cpp member
+counts on a device of its own, its requests' cells unpadded, its limit never above what its
+context holds; a member in a Ray actor counts on a device of its own, its "auto" limit the same
+share of the memory its actor found free once loaded (actors that share a GPU or a node each take
+that share: set a byte count there).
 """
 
 from __future__ import annotations
@@ -128,15 +128,15 @@ class KVBudget:
         """This request's bound (members without a known KV size count 0)."""
         parts = []
         for m, ids in zip(members, prompt_ids):
-            per_token = getattr(m, "kv_per_token", None) or 0
-            dev = str(getattr(m, "kv_device", None) or m.device)
-            if getattr(m, "remote", False):
-                self._free.setdefault(dev, (str(m.actor_device), m.free_bytes))
-            if getattr(m, "kv_capacity", None):
-                self._capacity.setdefault(dev, int(m.kv_capacity))
+            kv = m.kv_account()
+            per_token, dev = kv.per_token or 0, kv.device
+            if kv.free is not None:  # measured where it runs (a Ray actor)
+                self._free.setdefault(dev, kv.free)
+            if kv.capacity:
+                self._capacity.setdefault(dev, int(kv.capacity))
             if rows > 1:  # a token tree per member (smc): not padded to the others
                 parts.append((dev, per_token, len(ids) + rows * max_new, False))
-            elif not getattr(m, "kv_padded", True):  # its own cells (llama.cpp), candidates' forks beside
+            elif not kv.padded:  # its own cells (llama.cpp), candidates' forks beside
                 parts.append((dev, per_token, len(ids) + max_new + self.slack, False))
             else:
                 parts.append((dev, per_token, 2 * (len(ids) + max_new) + self.slack + 1, True))

@@ -20,7 +20,9 @@ from .evidence import request_weights, solo_member
 from .guide import Guide
 from .kvbudget import KVBudget
 from .members.context import current_request
+from .members.protocol import FULL_ROWS
 from .methods import Method, Request
+from .methods.base import check_capabilities
 from .methods.single import Single, SingleConfig
 from .requests import Job
 from .results import GenerationResult, ToolCall, Usage
@@ -126,6 +128,9 @@ def run_method(
     (kvbudget.py), under the request's deadline, its text passed through the stop matcher and the
     tool-markup filter to the caller. A request whose prior and evidence both give one member the
     method's `solo` weight runs that member alone (`evidence.solo_member`; stats["solo"])."""
+    constrained = frozenset({FULL_ROWS}) if job.params.constraint else frozenset()
+    what = f"method {method.name!r}" + " with constrained output" * bool(constrained)
+    check_capabilities(members, method.needs() | constrained, what)
     req, notes = make_request(method, members, job, texts, stops, weights, main)
     planned, planned_ids = members, req.prompt_ids
     solo = solo_member(method, weights, req.weights, req.main, req.aside)
@@ -181,10 +186,11 @@ def member_stats(engine: Ensemble, before: list[tuple], tokens_out: int) -> dict
     for m, (n0, t0, p0, b0, r0) in zip(engine.members, before):
         n, t, p, b, r = m.counters()
         stats["members"][m.name] = {"forward_passes": n - n0, "forward_time_s": round(t - t0, 4), "prefills": p - p0}
-        if getattr(m, "kv_per_token", None):  # its KV bytes per token of context (here or on its actor)
-            stats["members"][m.name]["kv_bytes_per_token"] = m.kv_per_token
-        if hasattr(m, "prompt_reused"):  # prompt tokens taken from a stored prompt (members/prefix.py)
-            stats["members"][m.name]["prompt_tokens_reused"] = m.prompt_reused()
+        kv, reused = m.kv_account(), m.prompt_reused()
+        if kv.per_token:  # its KV bytes per token of context (here or on its actor)
+            stats["members"][m.name]["kv_bytes_per_token"] = kv.per_token
+        if reused is not None:  # prompt tokens taken from a stored prompt (members/prefix.py)
+            stats["members"][m.name]["prompt_tokens_reused"] = reused
         if ray:  # payload bytes to and from the member's actor, waits for its answers
             stats["members"][m.name].update(bytes_moved=b - b0, round_trips=r - r0)
             moved += b - b0

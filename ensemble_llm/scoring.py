@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 from .errors import ContextLengthError, RequestError
+from .members.protocol import BYTE_LM
+from .methods.base import check_capabilities
 from .methods.smc import f_ensemble
 from .streams import async_channel, sync_channel
 
@@ -234,6 +236,7 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
     evidence of a few-shot prompt), the method's f, then every continuation (and alternative)
     byte by byte. Tokens are reported in the engine's main member for this kind of prompt."""
     members, sc = engine.members, job.scoring
+    check_capabilities(members, frozenset({BYTE_LM}), "scoring (log-likelihoods of given text)")
     prior, main = engine.member_weights("raw" if job.params.raw else "chat")
     texts, prompt_ids = _prompts(engine, job)
     _check_window(members, prompt_ids, sc.continuations)

@@ -246,3 +246,15 @@ def test_no_function_is_longer_than_a_screen():
 def test_the_engine_stays_thin():
     n = len((ROOT / "engine.py").read_text(encoding="utf-8").splitlines())
     assert n < MAX_ENGINE_LINES, f"engine.py has {n} lines; move a job out of it (see the README's layout)"
+
+
+def test_a_backend_is_its_folder_and_a_registry_entry():
+    """Only the registry names where a backend's loader lives, and nothing outside the server
+    backend's folder imports it: adding a backend touches its folder and members/backends.py."""
+    from ensemble_llm.members.backends import BACKENDS, loader_of
+
+    for name in BACKENDS:
+        assert callable(loader_of(name))
+    outside = {m: deps for m, deps in graph().items() if not m.startswith("members.server")}
+    users = sorted(m for m, deps in outside.items() if any(d.startswith("members.server") for d in deps))
+    assert not users, f"modules outside members/server/ import it: {users}"

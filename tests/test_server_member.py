@@ -14,14 +14,13 @@ import time
 import pytest
 
 from ensemble_llm import Ensemble
-from ensemble_llm.errors import ConfigError, GenerationError
+from ensemble_llm.errors import CapabilityError, ConfigError, GenerationError
 from ensemble_llm.members import load_member
 from ensemble_llm.members import rows as R
 from ensemble_llm.members.fetch import fetch_bundled
 from ensemble_llm.members.options import member_options
 from ensemble_llm.members.registry import BUNDLED
 from ensemble_llm.members.server import build
-from ensemble_llm.members.server.rows import CapabilityError
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.timeout(900)
@@ -100,9 +99,12 @@ def test_mixed_ensemble_writes_what_in_process_members_write(url, method):
 def test_what_needs_whole_rows_is_refused_by_name(url):
     smc, single = Ensemble([server_spec(url), "gemma-3-270m"], method="smc"), Ensemble([server_spec(url)])
     try:
-        with pytest.raises(CapabilityError, match=rf"member '{SMOL}' runs on a server \({url}\).*smc"):
+        named = rf"which member '{SMOL}' \(backend 'server', {url}\) does not give"
+        with pytest.raises(CapabilityError, match=rf"method 'smc' needs .* at each byte .*{named}"):
             smc.generate("Hi", max_new_tokens=4)
-        with pytest.raises(CapabilityError, match="constrained output"):
+        with pytest.raises(CapabilityError, match=rf"^scoring .*{named}"):
+            smc.score("The capital of France is", [" Paris", " Rome"])
+        with pytest.raises(CapabilityError, match=rf"with constrained output needs .*{named}"):
             single.generate("Give JSON", max_new_tokens=8, response_format={"type": "json_object"})
         assert single.generate("Hi", max_new_tokens=4).text  # the engine still serves
     finally:
@@ -169,3 +171,21 @@ def test_a_killed_server_fails_the_request_alone_and_a_restarted_one_serves(gguf
     finally:
         e.close()
         build.stop(proc)
+
+
+def test_the_cli_and_both_facades_take_a_server_member(url):
+    import json
+    import subprocess
+    import sys
+
+    from langchain_ensemble_llm import EnsembleLLM as LangChainLLM
+    from llama_index.llms.ensemble_llm import EnsembleLLM as LlamaIndexLLM
+
+    spec = [server_spec(url)]
+    want = Ensemble(spec).generate("What is the capital of France?", max_new_tokens=8).text
+    cmd = [sys.executable, "-m", "ensemble_llm", "generate", "What is the capital of France?"]
+    cli = subprocess.run([*cmd, "--models", json.dumps(spec), "--max-new-tokens", "8"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert want.strip() in cli.stdout
+    assert LangChainLLM(members=spec, max_tokens=8).invoke("What is the capital of France?").content == want
+    assert LlamaIndexLLM(members=spec, max_new_tokens=8).complete("What is the capital of France?").text == want

@@ -36,7 +36,7 @@ from .context import check_request, current_tally
 from .llama_cpp import LlamaRunner, Seq
 from .member import TokenizerView
 from .prefix import PrefixCache, configured_bytes
-from .protocol import PromptScore, prompt_score
+from .protocol import IN_PROCESS, SHARES_CORES, KVAccount, PromptScore, prompt_score
 from .scheduler import outside_steps, run_call
 from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
 
@@ -88,6 +88,8 @@ def open_runner(
 class LlamaMember(TokenizerView):
     """A GGUF model on llama.cpp with its transformers tokenizer (see the module)."""
 
+    capabilities = IN_PROCESS | {SHARES_CORES}
+
     def __init__(
         self,
         name: str,
@@ -118,7 +120,6 @@ class LlamaMember(TokenizerView):
         # the KV budget counts this member's cells apart (its own context, never padded to other
         # rows), and no more than the context holds
         self.kv_device = f"llama.cpp:{name}#{next(_SERIAL)}"
-        self.kv_padded = False
         self.kv_capacity = self.runner.n_ctx * kv_per_token if kv_per_token else None
         self.n_forward = 0
         self.n_prefill = 0
@@ -141,6 +142,10 @@ class LlamaMember(TokenizerView):
         finally:
             with self._sharing_lock:
                 self._sharing.remove(members)
+
+    def kv_account(self) -> KVAccount:
+        """Its cells in a context of its own (never padded to other rows), at most what the context holds."""
+        return KVAccount(self.kv_device, self.kv_per_token, padded=False, capacity=self.kv_capacity)
 
     def decode_threads(self) -> int:
         """The threads of the next decode: every core, or its share while it decodes side by side."""

@@ -24,7 +24,7 @@ from .context import check_request, current_request, current_tally
 from .convert import cached_token_bytes
 from .headpad import pad_rows
 from .prefix import PrefixCache, configured_bytes, seed_cache
-from .protocol import PromptScore, greedy_continues
+from .protocol import IN_PROCESS, KVAccount, PromptScore, greedy_continues
 from .rowgroups import RowGroupExecutor
 from .scheduler import outside_steps, run_call
 from .steps import Extend, Prefill, Score, Tree
@@ -53,6 +53,12 @@ class TokenizerView:
     `RayMember` (ensemble_llm/ray/) adds a model in a Ray actor, tokenization staying with the caller."""
 
     remote = False  # True for a member whose model runs in a Ray actor (its forwards run apart)
+    capabilities: frozenset[str] = IN_PROCESS  # protocol.py: what it gives beyond the state API
+
+    def sharing_cores(self, members: int):
+        """A member with SHARES_CORES splits its threads while `members` decode at once; others do nothing."""
+        return contextlib.nullcontext()
+
     tokenizer_folder: str | None = None  # a folder whose tokenizer we cached (convert.load_cached_tokenizer)
 
     @property
@@ -231,6 +237,10 @@ class Member(TokenizerView):
         from .plan import kv_bytes_per_token
 
         return kv_bytes_per_token(self.model.config.to_dict(), self.dtype)
+
+    def kv_account(self) -> KVAccount:
+        """Its KV on its device, a batch's rows padded to the longest (rowgroups.py)."""
+        return KVAccount(str(self.device), self.kv_per_token, padded=True)
 
     def counters(self) -> tuple[int, float, int, int, int]:
         """(forward passes, seconds in them, prefills, bytes moved to and from another process and

@@ -1,7 +1,9 @@
 """`TokenLM`: the whole of what an ensembling method may ask of a member.
 
-`Member` (member.py, the transformers backend, in this process) and `RayMember` (ensemble_llm/ray/, the
-model in a Ray actor) implement it. Methods only call what is listed here; they never set
+`Member` (member.py, the transformers backend, in this process), `LlamaMember` (llama.py),
+`RayMember` (ensemble_llm/ray/, the model in a Ray actor) and `ServerMember` (server/, the model in
+a llama.cpp server) implement it; what a member lacks of `capabilities` is refused up front
+(methods/base.py `check_capabilities`). Methods only call what is listed here; they never set
 attributes on a member and only read a state's `ids` and `next_logprobs` (a member's cache is
 changed through `extend`, `crop`, `scratch`, `score_inline`/`keep_candidate`). A row of log-probs
 (`next_logprobs`, a row of what `extend` returns) is a tensor for a member here and a handle for a
@@ -24,6 +26,28 @@ class PromptScore(NamedTuple):
 
     logprob: float
     gap: float
+
+
+class KVAccount(NamedTuple):
+    """What the KV budget (kvbudget.py) counts for a member: where its KV cache lives (a device,
+    or a context or actor of its own), bytes per token of context (None: nothing here to count),
+    whether a batch pads its rows to the longest, the most bytes its context holds, and (device,
+    free bytes) measured where it runs when that is not this process."""
+
+    device: str
+    per_token: int | None
+    padded: bool
+    capacity: int | None = None
+    free: tuple[str, int] | None = None
+
+
+# What a member may lack (`TokenLM.capabilities`), and what needs each: a method's `needs`, a
+# request's constraint. An in-process member has all of them.
+FULL_ROWS = "full_rows"  # every token's log-prob at a position (a constrained pick masks the row)
+LOGITS = "logits"  # raw logits (specfuse's score="logit")
+BYTE_LM = "byte_lm"  # the member as a byte-level LM (smc, scoring)
+SHARES_CORES = "shares_cores"  # its decodes split this CPU's cores when members decode at once
+IN_PROCESS = frozenset({FULL_ROWS, LOGITS, BYTE_LM})
 
 
 def prompt_score(row: torch.Tensor, token: int, normalizer: float = 0.0) -> PromptScore:
@@ -59,6 +83,10 @@ class TokenLM(Protocol):
     eos_id: int | None  # the one EOS id a method writes
     remote: bool  # the model runs in a Ray actor: its forwards run apart from this process
     n_params: int
+    backend: str  # members/backends.py's name for what runs it
+    dtype: torch.dtype
+    numerics: str  # what computes its log-probs where it is not transformers here ("" if it is)
+    capabilities: frozenset[str]  # of FULL_ROWS, LOGITS, BYTE_LM, SHARES_CORES
     vocab: Any  # members.vocab.Vocab: token index, byte trie, llguidance tokenizer (built once, owned here)
 
     @property
@@ -116,3 +144,9 @@ class TokenLM(Protocol):
 
     # ---- accounting ------------------------------------------------------------------------------
     def counters(self) -> tuple[int, float, int, int, int]: ...
+
+    def prompt_reused(self) -> int | None: ...  # prompt tokens the request took from a stored prompt
+
+    def kv_account(self) -> KVAccount: ...
+
+    def sharing_cores(self, members: int) -> AbstractContextManager[Any]: ...  # with SHARES_CORES

@@ -30,8 +30,9 @@ from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CapabilityError, ConfigError
 from ..members import TokenLM
+from ..members.protocol import BYTE_LM, FULL_ROWS, LOGITS
 from ..stopping import StopPolicy
 
 # weights="auto": a request where the calibrated prior AND the request's own evidence both give
@@ -142,6 +143,11 @@ class Method(abc.ABC):
         """Raise RequestError for sampling settings this method cannot honour. The engine calls it
         before queueing a request, so it fails before any work."""
 
+    def needs(self) -> frozenset[str]:
+        """What this method asks of every member beyond the state API (members/protocol.py's
+        capabilities: whole rows, raw logits, the byte LM); a member without one is refused."""
+        return frozenset()
+
     def kv_rows(self) -> int:
         """How many token sequences per member one request can hold KV for at once (kvbudget.py):
         1 (its state, batched with the others'); smc: a token tree of particles x beams."""
@@ -180,3 +186,24 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def run(self, req: Request) -> Iterator[str]:
         """Yield final text pieces; set req.finish_reason and fill req.stats (a stats_class())."""
+
+
+WHY = {
+    FULL_ROWS: "every token's log-prob at a position (a constrained pick: tools, response_format)",
+    LOGITS: "raw logits (SpecFuseConfig score='logit'; use score='logprob')",
+    BYTE_LM: "every token's probability at each byte (smc, scoring)",
+}
+
+
+def check_capabilities(members: Sequence[Any], needs: frozenset[str], what: str) -> None:
+    """CapabilityError naming the first member that lacks one of `needs`, where it runs and the fix."""
+    for m in members:
+        lack = sorted(set(needs) - m.capabilities)
+        if lack:
+            where = f"backend {m.backend!r}, {m.source}"
+            raise CapabilityError(
+                f"{what} needs {WHY.get(lack[0], lack[0])}, which member {m.name!r} ({where}) does not give: "
+                "a server sends the top log-probs of a position, not the whole row (llama-server, vLLM and "
+                "SGLang alike). Run that member in process (drop backend='server'), or use a method that "
+                "needs less (single, specfuse, safe, unite)."
+            )

@@ -19,12 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
 from ..members.context import current_request, request_scope
+from ..members.protocol import SHARES_CORES
 from ..members.scheduler import outside_steps
 
 
 def sharing_cpu(members: Sequence[Any]) -> list:
     """The members that split the CPU's cores when they decode at once (llama.cpp members on the CPU)."""
-    return [m for m in members if hasattr(m, "sharing_cores") and m.device.type == "cpu"]
+    return [m for m in members if SHARES_CORES in m.capabilities and m.device.type == "cpu"]
 
 
 class SideBySide:

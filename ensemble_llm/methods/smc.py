@@ -30,6 +30,7 @@ from ..errors import ConfigError, GenerationError, RequestError
 from ..evidence import FLOOR
 from ..guide import CLOSE_MARGIN
 from ..members.bytelm import EOS
+from ..members.protocol import BYTE_LM
 from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
 from .text import Utf8Releaser
 
@@ -372,6 +373,9 @@ class Smc(Method):
 
     def kv_rows(self) -> int:
         return self.config.n_particles * self.config.beam_width
+
+    def needs(self) -> frozenset[str]:
+        return frozenset({BYTE_LM})
 
     def check_members(self) -> None:
         if len(self.members) < 2:

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ConfigError
+from ..members.protocol import LOGITS
 from ..members.rows import pick_token
 from .align import CanonicalView, valid_utf8_prefix, vocab_index
 from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
@@ -155,6 +156,9 @@ class SpecFuse(Method):
 
     def main_member(self) -> int | None:
         return None  # the strongest member counts the budget
+
+    def needs(self) -> frozenset[str]:
+        return frozenset({LOGITS}) if self.config.score == "logit" else frozenset()
 
     def scoring_f(self, weights, prior, aside) -> tuple[float, list[float]]:
         return 0.0, list(weights)  # a segment's score adds the members' weighted log-probabilities: the product

@@ -15,6 +15,7 @@ import torch
 from ..errors import GenerationError
 from ..members.context import Tally, check_request, current_check, current_tally
 from ..members.member import TokenizerView
+from ..members.protocol import KVAccount
 from ..members.scheduler import outside_steps, run_call
 from ..members.steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
 from .actor import MAX_RESTARTS, WAIT_SLICE_S, _ray, payload_bytes
@@ -116,6 +117,13 @@ class RayMember(TokenizerView):
 
     def __repr__(self) -> str:
         return f"RayMember({self.name!r}, actor device={self.actor_device}, dtype={self.dtype})"
+
+    def kv_account(self) -> KVAccount:
+        """Its caches on its actor, counted apart, against what was free there once it loaded."""
+        return KVAccount(self.kv_device, self.kv_per_token, True, None, (str(self.actor_device), self.free_bytes))
+
+    def prompt_reused(self) -> None:
+        return None  # its actor's stored prompts are not counted per request
 
     # ---- calls ---------------------------------------------------------------------------
     def _request(self) -> _Count | None:

@@ -23,7 +23,7 @@ import torch
 
 from ..context import current_tally
 from ..member import TokenizerView
-from ..protocol import PromptScore
+from ..protocol import KVAccount, PromptScore
 from ..scheduler import outside_steps
 from .client import ServerClient
 from .rows import ANY_SERVER, ServerRow, missing
@@ -54,9 +54,6 @@ class ServerMember(TokenizerView):
 
     backend = "server"
     capabilities: frozenset[str] = frozenset()  # no whole rows, no raw logits, no byte walk
-    kv_per_token = None  # its KV is the server's
-    kv_padded = False
-    kv_capacity = None
     numerics = ""  # set per server in __init__
 
     def __init__(self, name: str, client: ServerClient, tokenizer, info: dict, *, top_k: int, source: str) -> None:
@@ -178,8 +175,11 @@ class ServerMember(TokenizerView):
             return (*tally.of(self), 0, 0)
         return self.n_forward, self.forward_time, self.n_prefill, 0, 0
 
-    def prompt_reused(self) -> int:
-        return 0  # the server's prompt cache reuses prompts; it does not say how much per request
+    def prompt_reused(self) -> None:
+        return None  # the server's prompt cache reuses prompts; its figure is not summed per request
+
+    def kv_account(self) -> KVAccount:
+        return KVAccount(self.kv_device, None, padded=False)  # its KV is the server's
 
     # ---- the state API -------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> ServerState:

@@ -13,17 +13,11 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ...errors import RequestError
+from ...errors import CapabilityError
 from ..rows import Ready
 
 if TYPE_CHECKING:
     from .member import ServerMember
-
-
-class CapabilityError(RequestError):
-    """A method or request needs something a member's backend does not give."""
-
-    code = "unsupported_by_member"
 
 
 def missing(member: Any, what: str, servers: str) -> CapabilityError:
