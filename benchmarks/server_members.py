@@ -88,19 +88,29 @@ def through_member(url: str, clients: int) -> dict:
     return {"tokens": sum(counts), "seconds": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 2)}
 
 
-def server_alone(url: str) -> dict:
-    """The server's own /completion on the same prompts (token ids from its /tokenize), greedy, as
-    many tokens as the member wrote: what a user of the server alone gets, over the same HTTP."""
+def server_alone(url: str, clients: int) -> dict:
+    """The server's own /completion on the same prompts (token ids from its /tokenize), greedy,
+    SPEED_TOKENS each, `clients` threads each running every prompt: what a user of the server alone
+    gets over the same HTTP, and the server's own ceiling on this machine with 8 at once."""
     import httpx
 
-    http = httpx.Client(base_url=url, timeout=120)
-    total, t0 = 0, time.perf_counter()
-    for p in SPEED_PROMPTS:
-        ids = http.post("/tokenize", json={"content": p, "add_special": False}).json()["tokens"]
-        body = {"prompt": ids, "n_predict": SPEED_TOKENS, "temperature": 0.0, "cache_prompt": True, "ignore_eos": True}
-        total += http.post("/completion", json=body).json()["tokens_predicted"]
+    counts = [0] * clients
+
+    def run(i: int) -> None:
+        http = httpx.Client(base_url=url, timeout=120)
+        for p in SPEED_PROMPTS:
+            ids = http.post("/tokenize", json={"content": p, "add_special": False}).json()["tokens"]
+            body = {"prompt": ids, "n_predict": SPEED_TOKENS, "temperature": 0.0, "ignore_eos": True}
+            counts[i] += http.post("/completion", json=body).json()["tokens_predicted"]
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     wall = time.perf_counter() - t0
-    return {"tokens": total, "seconds": round(wall, 3), "tokens_per_s": round(total / wall, 2)}
+    return {"tokens": sum(counts), "seconds": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 2)}
 
 
 def child(part: str, url: str, arg: str) -> dict:
@@ -109,7 +119,7 @@ def child(part: str, url: str, arg: str) -> dict:
         return identity(where, method, url)
     if part == "member":
         return through_member(url, int(arg))
-    return server_alone(url)
+    return server_alone(url, int(arg))
 
 
 def run_child(part: str, url: str, arg: str) -> dict:
@@ -136,10 +146,11 @@ def main(path: str) -> None:
             res["identity"][method]["differ"] = [[x, y] for x, y in zip(a["texts"], b["texts"]) if x != y]
             print(method, same, "/", len(a["texts"]), a["seconds"], b["seconds"], flush=True)
         for rnd in range(2):  # in turn, twice
-            alone, one = run_child("alone", url, "-"), run_child("member", url, "1")
-            eight = run_child("member", url, "8")
-            res["speed"][f"round{rnd}"] = {"server_alone": alone, "member_1_client": one, "member_8_clients": eight}
-            print(rnd, alone, one, eight, flush=True)
+            parts = {"server_alone": ("alone", "1"), "member_1_client": ("member", "1")}
+            parts.update(server_alone_8_clients=("alone", "8"), member_8_clients=("member", "8"))
+            got = {k: run_child(part, url, n) for k, (part, n) in parts.items()}
+            res["speed"][f"round{rnd}"] = got
+            print(rnd, got, flush=True)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(res, indent=1) + "\n")
     Path(path).with_suffix(".md").write_text(report(res))

@@ -57,7 +57,10 @@ class ServerMember(TokenizerView):
     numerics = ""  # set per server in __init__
 
     def __init__(self, name: str, client: ServerClient, tokenizer, info: dict, *, top_k: int, source: str) -> None:
-        self.client, self.url, self.top_k = client, client.url, int(top_k)
+        self.client, self.url = client, client.url
+        # top entries asked with each row: the most a method has asked of a row so far, up to `top_k`
+        # (single and specfuse read the best only; unite and safe their top_k)
+        self.top_k, self.most_k = 1, int(top_k)
         self._init_tokens(name, tokenizer, info["n_vocab"], [], source)
         self.device, self.dtype = torch.device("cpu"), torch.float32  # what it sends back: float log-probs
         self.context_window = int(info["n_ctx"])
@@ -109,13 +112,13 @@ class ServerMember(TokenizerView):
             rows[forced].token, rows[forced].mode = None, None
         return rows
 
-    def _ahead(self, prompt: Sequence[int], mode=GREEDY, seed: int | None = None, k: int | None = None) -> ServerRow:
-        """The row after `prompt`, with the server's next LOOKAHEAD tokens drawn at `mode`."""
+    def _ahead(self, prompt: Sequence[int], mode=GREEDY, seed: int | None = None, k: int | None = None, n: int = 0):
+        """The row after `prompt` (a ServerRow), with the server's next `n` (LOOKAHEAD) tokens drawn at `mode`."""
         t, p = mode
         extra: dict[str, Any] = {"temperature": 0.0}
         if t > 0:
             extra = {"temperature": t, "top_p": p, "samplers": ["temperature", "top_p"], "seed": seed}
-        entries = self._completion(prompt, LOOKAHEAD, extra, k)
+        entries = self._completion(prompt, n or LOOKAHEAD, extra, k)
         if not entries:
             raise missing(self, "it answered a completion with no log-probs", "update the server.")
         return self._chain(prompt, entries, mode, 0)[0]
@@ -152,7 +155,8 @@ class ServerMember(TokenizerView):
         return self._biased(row.prefix, token).values[int(token)]
 
     def widen(self, row: ServerRow, n: int) -> None:
-        wide = self._ahead(row.prefix, k=n)
+        self.top_k = max(self.top_k, min(n, self.most_k))
+        wide = self._ahead(row.prefix, k=n, n=1)
         row.values.update(wide.values)
         row.order = wide.order
 

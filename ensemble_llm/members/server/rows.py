@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 
 def missing(member: Any, what: str, servers: str) -> CapabilityError:
     return CapabilityError(
-        f"member {member.name!r} runs on a server ({member.url}), which gives the top {member.top_k} log-probs "
-        f"of a position and exact scores of given tokens, but {what}; {servers}"
+        f"member {member.name!r} runs on a server ({member.url}), which gives the top log-probs of a position "
+        f"and exact scores of given tokens, but {what}; {servers}"
     )
 
 
+WIDE = 64  # top entries asked of a row once values outside its top are needed (unite, safe)
 FULL_ROWS = "the whole row of next-token log-probs is needed here (constrained output: tools, JSON)"
 ANY_SERVER = "run this member in process (drop backend='server') for it."
 
@@ -59,12 +60,15 @@ class ServerRow:
 
     # ---- what members.rows asks ----------------------------------------------------------
     def top(self, n: int) -> Ready:
-        if n > len(self.order):
+        if n > len(self.order) and len(self.order) < self.member.vocab_size:
             self.member.widen(self, n)
         return Ready(([self.values[t] for t in self.order[:n]], self.order[:n]))
 
     def take(self, ids: Sequence[int]) -> Ready:
+        """The values at `ids`: from the top WIDE when they are there (one request), else each asked."""
         ids = [int(i) for i in ids]
+        if any(t not in self.values for t in ids) and len(self.order) < WIDE:
+            self.member.widen(self, WIDE)
         for t in ids:
             if t not in self.values:
                 self.values[t] = self.member.value_at(self, t)
