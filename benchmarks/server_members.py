@@ -164,7 +164,7 @@ def report(res: dict) -> str:
     for m, r in res["identity"].items():
         lines.append(f"| {m} | {r['same']} of {r['of']} | {r['server_s']} | {r['local_s']} |")
     lines += ["", "## Tokens/s of `single` on SmolLM2 (loopback, the same llama-server)", ""]
-    lines += ["| round | server alone | member | member / server | server, 8 clients | 8 / 1 | member, 8 clients | 8 / 1 |"]
+    lines += ["| round | server alone | member | member / server | server, 8 clients | 8 / 1 | member, 8 | 8 / 1 |"]
     lines += ["|---|---|---|---|---|---|---|---|"]
     keys = ("server_alone", "member_1_client", "server_alone_8_clients", "member_8_clients")
     for rnd, r in res["speed"].items():
