@@ -53,6 +53,8 @@ class TokenizerView:
     `RayMember` (ensemble_llm/ray/) adds a model in a Ray actor, tokenization staying with the caller."""
 
     remote = False  # True for a member whose model runs in a Ray actor (its forwards run apart)
+    backend = ""  # members/backends.py's name, set by each backend
+    _ready_outside: Any = None  # score_prompt's state kept outside a request (`_ready_slot`)
     capabilities: frozenset[str] = IN_PROCESS  # protocol.py: what it gives beyond the state API
 
     def sharing_cores(self, members: int):
@@ -65,7 +67,7 @@ class TokenizerView:
     def numerics(self) -> str:
         """What computes this member's log-probs, where it is not transformers in this process
         (cached figures such as the calibrated weights are kept apart by it)."""
-        return "llama.cpp" if getattr(self, "backend", "") == "llama.cpp" else ""
+        return "llama.cpp" if self.backend == "llama.cpp" else ""
 
     def _init_tokens(self, name: str, tokenizer, vocab_size: int, eos_ids, source: str) -> None:
         self.name = name
@@ -92,7 +94,7 @@ class TokenizerView:
         if take:
             if ready is not None:
                 return ready.pop(id(self), None)
-            out, self._ready_outside = getattr(self, "_ready_outside", None), None
+            out, self._ready_outside = self._ready_outside, None
             return out
         if ready is not None:
             ready[id(self)] = state

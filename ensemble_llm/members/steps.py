@@ -133,3 +133,7 @@ class Executor(Protocol):
     def run_alone(self, call: StepCall, config: BatchingConfig) -> Any:
         """Run one call in a forward of its own and return its result."""
         ...
+
+    def recover(self, call: StepCall) -> None:
+        """After a step that failed: leave the call's state as it was before the call."""
+        ...
