@@ -69,6 +69,18 @@ def identity(where: str, method: str, url: str) -> dict:
     return {"texts": texts, "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def timed(run, counts: list[int]) -> dict:
+    """Tokens/s of `run(i)` in len(counts) threads at once, each adding its tokens to counts[i]."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(counts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"tokens": sum(counts), "seconds": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 2)}
+
+
 def through_member(url: str, clients: int) -> dict:
     """Tokens/s of `single` through the server member, `clients` threads each running every prompt."""
     eng = Ensemble(members("server", "single", url), method="single", progress=False)
@@ -79,14 +91,7 @@ def through_member(url: str, clients: int) -> dict:
         for p in SPEED_PROMPTS:
             counts[i] += eng.generate(p, raw=True, max_new_tokens=SPEED_TOKENS).stats["tokens_out"]
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"tokens": sum(counts), "seconds": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 2)}
+    return timed(run, counts)
 
 
 def server_alone(url: str, clients: int) -> dict:
@@ -104,14 +109,7 @@ def server_alone(url: str, clients: int) -> dict:
             body = {"prompt": ids, "n_predict": SPEED_TOKENS, "temperature": 0.0, "ignore_eos": True}
             counts[i] += http.post("/completion", json=body).json()["tokens_predicted"]
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"tokens": sum(counts), "seconds": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 2)}
+    return timed(run, counts)
 
 
 def child(part: str, url: str, arg: str) -> dict:
