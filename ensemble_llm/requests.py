@@ -222,6 +222,11 @@ def member_entries(members: Sequence[Any], placement: str = "local") -> tuple[li
         entry = member_spec(spec, i)
         source = resolve_source(entry.model)
         check_options(source, entry.options)
+        if placement == "ray" and entry.options.backend == "server":
+            raise ConfigError(
+                f"member {i} runs in the server at {entry.options.url}, so it needs no Ray actor; use "
+                "placement='local' (the server places its own model), or drop backend='server'."
+            )
         sources.append(source)
         preambles.append(entry.preamble)
         options.append(entry.options)

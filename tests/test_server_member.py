@@ -119,6 +119,8 @@ def test_bad_server_options_are_refused(url):
         member_options({"backend": "server"}, "member 0")
     with pytest.raises(ConfigError, match="timeout must be a number"):
         member_options({"backend": "server", "url": url, "timeout": 0}, "member 0")
+    with pytest.raises(ConfigError, match="needs no Ray actor"):
+        Ensemble([server_spec(url)], placement="ray")
     with pytest.raises(ConfigError, match="the server runs another model"):  # gemma's tokenizer, SmolLM2's server
         load_member("gemma-3-270m", options=member_options({"backend": "server", "url": url}, "m"))
 
