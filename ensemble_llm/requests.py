@@ -195,8 +195,9 @@ class MemberSpec:
 def member_spec(spec: Any, i: int) -> MemberSpec:
     """A member is a model (bundled name, folder, .gguf, hub id, 'org/repo:file.gguf') or a dict
     {"model": ..., "preamble": [messages], "revision": ..., "device_map": ..., "max_memory": ...,
-    "offload_folder": ..., "quantization": "int8" | "int4"} that pairs the model with turns put
-    before its chat prompts and with its loading options."""
+    "offload_folder": ..., "quantization": "int8" | "int4", "backend": ..., "url": ..., "timeout": ...}
+    that pairs the model with turns put before its chat prompts and with its loading options (a
+    member on a server: backend "server", its url and timeout; docs/servers.md)."""
     from .members.options import NO_OPTIONS, member_options
 
     if not isinstance(spec, dict):
