@@ -19,16 +19,15 @@ class Backend:
     name: str
     loader: str  # "module:function", relative to ensemble_llm.members
     in_process: bool  # its weights and KV cache are this process's to plan
-    runs_gguf_only: bool  # it takes a GGUF file, not a transformers folder
     own_options: tuple[str, ...] = ()  # member options that only this backend takes
 
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("llama.cpp", "loader:load_llama_member", in_process=True, runs_gguf_only=True),
-        Backend("transformers", "loader:load_hf_member", in_process=True, runs_gguf_only=False),
-        Backend("server", "server.load:load_server_member", False, False, own_options=("url", "timeout")),
+        Backend("llama.cpp", "loader:load_llama_member", in_process=True),
+        Backend("transformers", "loader:load_hf_member", in_process=True),
+        Backend("server", "server.load:load_server_member", in_process=False, own_options=("url", "timeout")),
     )
 }
 
