@@ -102,3 +102,32 @@ def current_deadline() -> float | None:
 def current_tally() -> Tally | None:
     ctx = _CURRENT.get()
     return None if ctx is None else ctx.tally
+
+
+class Counted:
+    """A member's forward passes, seconds in them and prefills: its totals, and each request's in
+    the request's tally (`counters` answers for the calling request inside one)."""
+
+    n_forward = 0
+    n_prefill = 0  # forwards that started a fresh cache from a prompt (counted in n_forward too)
+    forward_time = 0.0
+
+    def counters(self) -> tuple[int, float, int, int, int]:
+        """(forward passes, seconds in them, prefills, bytes moved to and from another process and
+        waits for its answers: 0 and 0 here): those of the calling thread's request inside one (a
+        batched step counts once for each request in it), else the member's totals."""
+        tally = current_tally()
+        if tally is not None:
+            return (*tally.of(self), 0, 0)
+        return self.n_forward, self.forward_time, self.n_prefill, 0, 0
+
+    def prompt_reused(self) -> int | None:
+        """Prompt tokens the calling thread's request took from stored prompts (0 outside one)."""
+        tally = current_tally()
+        return 0 if tally is None else tally.reused.get(id(self), 0)
+
+    def _count_prefill(self) -> None:
+        self.n_prefill += 1
+        tally = current_tally()
+        if tally is not None:
+            tally.add(self, 0, 0.0, 1)

@@ -32,9 +32,9 @@ import torch
 
 from ..errors import ConfigError
 from .bytelm import Beam, ByteLM, Context, Hyp
-from .context import check_request, current_tally
+from .context import Counted, check_request, current_tally
 from .llama_cpp import LlamaRunner, Seq
-from .member import TokenizerView
+from .member import TOKENIZER_SAMPLE, TokenizerView
 from .prefix import PrefixCache, configured_bytes
 from .protocol import IN_PROCESS, SHARES_CORES, KVAccount, PromptScore, prompt_score
 from .scheduler import outside_steps, run_call
@@ -42,11 +42,6 @@ from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
 
 _SERIAL = itertools.count(1)
 PROMPT_PIECE = 32  # prompt tokens per decode, aligned (`prompt_pieces`); under llama.cpp's 64-row tiles
-TOKENIZER_SAMPLE = (
-    "The capital of France is Paris.\nQ: What is 12 + 7?\nA: 19\n",
-    "  Déjà vu — naïve café, 東京 and 😀 emoji; tabs\tand  spaces.",
-    "def f(x):\n    return {'a': [1, 2.5, None]}  # code",
-)
 
 
 @dataclass(eq=False)
@@ -85,7 +80,7 @@ def open_runner(
     return LlamaRunner(path, n_ctx, n_threads or cpu_cores(), gpu_layers, extra_bufts=bool(v.extra_bufts))
 
 
-class LlamaMember(TokenizerView):
+class LlamaMember(Counted, TokenizerView):
     """A GGUF model on llama.cpp with its transformers tokenizer (see the module)."""
 
     capabilities = IN_PROCESS | {SHARES_CORES}
@@ -157,24 +152,6 @@ class LlamaMember(TokenizerView):
         with self._lock:
             self.prefixes.clear()
             self.runner.close()
-
-    # ---- accounting ----------------------------------------------------------------------
-    def counters(self) -> tuple[int, float, int, int, int]:
-        """As `Member.counters`: the calling request's figures inside one, else the totals."""
-        tally = current_tally()
-        if tally is not None:
-            return (*tally.of(self), 0, 0)
-        return self.n_forward, self.forward_time, self.n_prefill, 0, 0
-
-    def prompt_reused(self) -> int:
-        tally = current_tally()
-        return 0 if tally is None else tally.reused.get(id(self), 0)
-
-    def _count_prefill(self) -> None:
-        self.n_prefill += 1
-        tally = current_tally()
-        if tally is not None:
-            tally.add(self, 0, 0.0, 1)
 
     # ---- the state API -------------------------------------------------------------------
     def new_state(self) -> LlamaState:

@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from .bytelm import ByteLM
-from .context import check_request, current_request, current_tally
+from .context import Counted, check_request, current_request, current_tally
 from .convert import cached_token_bytes
 from .headpad import pad_rows
 from .prefix import PrefixCache, configured_bytes, seed_cache
@@ -45,6 +45,14 @@ class KVState:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+# texts on which a tokenizer read here must agree with the backend's own (llama.cpp, a server)
+TOKENIZER_SAMPLE = (
+    "The capital of France is Paris.\nQ: What is 12 + 7?\nA: 19\n",
+    "  Déjà vu — naïve café, 東京 and 😀 emoji; tabs\tand  spaces.",
+    "def f(x):\n    return {'a': [1, 2.5, None]}  # code",
+)
 
 
 class TokenizerView:
@@ -196,7 +204,7 @@ def layer_devices(model, default: torch.device) -> list[torch.device]:
     return [execution_device(layer) or default for layer in layers]
 
 
-class Member(TokenizerView):
+class Member(Counted, TokenizerView):
     """A causal LM + tokenizer on transformers, with forward-pass counters for stats. Its layers may sit on one
     device or be spread by accelerate (device_map, max_memory: GPUs, CPU, disk offload): inputs go
     to the device of the input embeddings (`device`), logits and KV slices come back there."""
@@ -243,21 +251,6 @@ class Member(TokenizerView):
     def kv_account(self) -> KVAccount:
         """Its KV on its device, a batch's rows padded to the longest (rowgroups.py)."""
         return KVAccount(str(self.device), self.kv_per_token, padded=True)
-
-    def counters(self) -> tuple[int, float, int, int, int]:
-        """(forward passes, seconds in them, prefills, bytes moved to and from another process and
-        waits for its answers: 0 and 0 here): those of the calling thread's request inside one (a
-        batched step counts once for each request in it), else the member's totals."""
-        tally = current_tally()
-        if tally is not None:
-            return (*tally.of(self), 0, 0)
-        return self.n_forward, self.forward_time, self.n_prefill, 0, 0
-
-    def _count_prefill(self) -> None:
-        self.n_prefill += 1
-        tally = current_tally()
-        if tally is not None:
-            tally.add(self, 0, 0.0, 1)
 
     # ---- forwards ------------------------------------------------------------------------
     def _forward(self, tallies: list | None = None, hidden: bool = False, **kw) -> torch.Tensor:
@@ -379,11 +372,6 @@ class Member(TokenizerView):
             if counts is not None:
                 counts[id(self)] = counts.get(id(self), 0) + n
         return n, entry
-
-    def prompt_reused(self) -> int:
-        """Prompt tokens the calling thread's request took from stored prompts (0 outside one)."""
-        tally = current_tally()
-        return 0 if tally is None else tally.reused.get(id(self), 0)
 
     def prompt_scores(
         self, state: KVState, ids: list[int], positions, logits: torch.Tensor, n: int = 0, entry: Any = None

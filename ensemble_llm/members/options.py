@@ -189,8 +189,8 @@ def member_options(raw: dict, where: str) -> MemberOptions:
 
 def _server_options(raw: dict, backend: str, where: str) -> tuple[str | None, float | None]:
     """The url and timeout of a member on a server; each is an error on any other backend."""
+    own = _REGISTRY[backend].own_options if backend in _REGISTRY else ()
     for key in ("url", "timeout"):
-        own = _REGISTRY[backend].own_options if backend in _REGISTRY else ()
         if raw.get(key) is not None and key not in own:
             raise ConfigError(f"{where} {key}= applies to backend='server' (a model in a running server); add it.")
     if backend != "server":

@@ -6,30 +6,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import ConfigError
+from ..member import TOKENIZER_SAMPLE
 from ..sources import GGUF_KINDS, Source, gguf_file
 from .client import ServerClient, ServerError
 from .member import ServerMember
 
 TOP_K = 20  # top log-probs asked per position: what vLLM and Ollama allow by default
-SAMPLE = (
-    "The capital of France is Paris.\nQ: What is 12 + 7?\nA: 19\n",
-    "  Déjà vu — naïve café, 東京 and 😀 emoji; tabs\tand  spaces.",
-)
 
 
-def member_tokenizer(source: Source, cache_dir, progress):
-    """The model's own tokenizer, read here: from its GGUF file (without the weights) or its folder."""
+def member_tokenizer(source: Source, cache_dir, progress) -> tuple:
+    """(the model's own tokenizer, the folder it was cached in or None, the GGUF file's name or ""),
+    read here: from its GGUF file (without the weights) or its folder."""
     from ..convert import load_cached_tokenizer
     from ..loader import gguf_tokenizer_folder, local_dir
 
     if source.kind in GGUF_KINDS:
         path = gguf_file(source, cache_dir, progress)
         folder = gguf_tokenizer_folder(source, path, cache_dir)
-        return load_cached_tokenizer(folder), str(folder)
+        return load_cached_tokenizer(folder), str(folder), path.name
     from transformers import AutoTokenizer
 
     folder = local_dir(source, cache_dir, progress=progress)
-    return AutoTokenizer.from_pretrained(folder), None
+    return AutoTokenizer.from_pretrained(folder), None, ""
 
 
 def server_info(client: ServerClient) -> dict:
@@ -51,12 +49,8 @@ def server_info(client: ServerClient) -> dict:
     return {"n_vocab": int(meta["n_vocab"]), "n_ctx": int(n_ctx), "n_params": meta.get("n_params"), "model_file": file}
 
 
-def _file_name(source: Source, cache_dir) -> str:
-    return gguf_file(source, cache_dir).name if source.kind in GGUF_KINDS else ""
-
-
 def check_tokenizer(member: ServerMember) -> None:
-    for text in SAMPLE:
+    for text in TOKENIZER_SAMPLE:
         theirs = member.client.post("/tokenize", {"content": text, "add_special": False})["tokens"]
         ours = member.encode(text)
         if theirs != ours:
@@ -69,11 +63,11 @@ def check_tokenizer(member: ServerMember) -> None:
 
 def load_server_member(source: Source, dev, dt, options, cache_dir, progress, trust_remote_code, context_tokens, slots):
     """A member on the llama.cpp server at `options.url` (members/backends.py's loader signature)."""
-    tokenizer, folder = member_tokenizer(source, cache_dir, progress)
+    tokenizer, folder, file = member_tokenizer(source, cache_dir, progress)
     client = ServerClient(source.name, options.url, options.timeout or 60.0)
     try:
         info = server_info(client)
-        info["member_file"] = _file_name(source, cache_dir)
+        info["member_file"] = file
         member = ServerMember(source.name, client, tokenizer, info, top_k=TOP_K, source=options.url)
         member.tokenizer_folder = folder
         check_tokenizer(member)

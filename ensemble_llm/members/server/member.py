@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..context import current_tally
+from ..context import Counted, current_tally
 from ..member import TokenizerView
 from ..protocol import KVAccount, PromptScore
 from ..scheduler import outside_steps
@@ -49,7 +49,7 @@ class ServerState:
         return len(self.ids)
 
 
-class ServerMember(TokenizerView):
+class ServerMember(Counted, TokenizerView):
     """A model on a llama.cpp server, with its tokenizer here (see the module)."""
 
     backend = "server"
@@ -69,7 +69,6 @@ class ServerMember(TokenizerView):
         # the server's llama.cpp runs the member's own GGUF file (same name): its log-probs are llama.cpp's
         same = info.get("model_file") and info.get("model_file") == info.get("member_file")
         self.numerics = "llama.cpp" if same else f"server:{info.get('model_file') or self.url}"
-        self.n_forward, self.n_prefill, self.forward_time = 0, 0, 0.0
 
     def __repr__(self) -> str:
         return f"ServerMember({self.name!r}, {self.url})"
@@ -173,12 +172,6 @@ class ServerMember(TokenizerView):
         if tally is not None:
             tally.add(self, 1, seconds, prefills)
 
-    def counters(self) -> tuple[int, float, int, int, int]:
-        tally = current_tally()
-        if tally is not None:
-            return (*tally.of(self), 0, 0)
-        return self.n_forward, self.forward_time, self.n_prefill, 0, 0
-
     def prompt_reused(self) -> None:
         return None  # the server's prompt cache reuses prompts; its figure is not summed per request
 
@@ -194,10 +187,7 @@ class ServerMember(TokenizerView):
             raise ValueError("prefill() needs at least one token id")
         state = ServerState([int(i) for i in ids])
         state.next_row = self._ahead(state.ids)
-        self.n_prefill += 1
-        tally = current_tally()
-        if tally is not None:
-            tally.add(self, 0, 0.0, 1)
+        self._count_prefill()
         return state
 
     def extend(self, state: ServerState, ids: Sequence[int], last_only: bool = False) -> list[ServerRow]:
