@@ -78,7 +78,7 @@ class Timer:
         forward, head, prompt_own, prefills, group_forward = (
             Member._forward,
             Member.head,
-            Member._prompt_own,
+            Member.run_prompt,
             rowgroups.run_prefills,
             rowgroups.RowGroup._forward,
         )
@@ -124,7 +124,7 @@ class Timer:
                 timer.calls[key] = timer.calls.get(key, 0) + len(calls)
             return group_forward(group, calls, config)
 
-        Member._forward, Member.head, Member._prompt_own = timed_forward, timed_head, as_prompt(prompt_own)
+        Member._forward, Member.head, Member.run_prompt = timed_forward, timed_head, as_prompt(prompt_own)
         rowgroups.run_prefills = as_prompt(prefills)
         rowgroups.RowGroup._forward = counted_group
 

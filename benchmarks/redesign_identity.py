@@ -5,6 +5,8 @@ Run it with two trees (e.g. `git archive <rev> | tar -x -C /tmp/old`) and compar
     PYTHONPATH=/tmp/old python benchmarks/redesign_identity.py before.json
     python benchmarks/redesign_identity.py after.json
 
+A second argument names the members' backend ("llama.cpp", "transformers"; default: "auto").
+
 Requests per method on the bundled pair: 14 qa_wikidata few-shot prompts (raw, stop "\\n"), chat
 prompts (one with a stop string), a JSON Schema response_format, a forced tool call (its raw text,
 markup included) and one sampled reply with a seed. smc (3 particles) runs one chat prompt.
@@ -18,6 +20,7 @@ import time
 
 from ensemble_llm import Ensemble
 from ensemble_llm.bench import bundled_task, load_task
+from ensemble_llm.members.registry import DEFAULT_MODELS
 
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Describe a cat to a child."]
 PERSON = {
@@ -36,8 +39,9 @@ WEATHER = {
 METHODS = [("single", None), ("unite", None), ("safe", None), ("specfuse", None), ("smc", {"n_particles": 3})]
 
 
-def texts(method: str, config) -> list[str]:
-    eng = Ensemble(method=method, config=config, progress=False)
+def texts(method: str, config, backend: str = "auto") -> list[str]:
+    members = [{"model": name, "backend": backend} for name in DEFAULT_MODELS]
+    eng = Ensemble(members, method=method, config=config, progress=False)
     shots, examples = load_task(bundled_task("qa_wikidata"), 14)
     rows = []
     for ex in examples:
@@ -54,15 +58,15 @@ def texts(method: str, config) -> list[str]:
     return rows
 
 
-def main(out: str) -> None:
+def main(out: str, backend: str = "auto") -> None:
     results = {}
     for method, config in METHODS:
         t0 = time.time()
-        results[method] = texts(method, config)
+        results[method] = texts(method, config, backend)
         print(method, round(time.time() - t0, 1), file=sys.stderr, flush=True)
     with open(out, "w") as fh:
         json.dump(results, fh, indent=1, ensure_ascii=False)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

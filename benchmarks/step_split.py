@@ -106,7 +106,7 @@ def counted(engine) -> dict:
     def wrapped(group, calls, config):
         m = group.member
         rec = stats.setdefault(m.name, {"forwards": 0, "columns": 0, "head_rows": 0, "asked": 0, "s": 0.0})
-        inner, head = m._forward, m.head
+        inner, head = m.forward, m.head
 
         def f(*a, **kw):
             b, t = kw["input_ids"].shape
@@ -119,14 +119,14 @@ def counted(engine) -> dict:
             rec["head_rows"] += x.shape[0]
             return head(x)
 
-        m._forward, m.head = f, h
+        m.forward, m.head = f, h
         rec["asked"] += sum(len(c.new) for c in calls)
         t0 = time.perf_counter()
         try:
             forward(group, calls, config)
         finally:
             rec["s"] = round(rec["s"] + time.perf_counter() - t0, 2)
-            del m._forward, m.head
+            del m.forward, m.head
 
     rowgroups.RowGroup._forward = wrapped
     try:

@@ -93,8 +93,8 @@ def test_prompts_scored_together_match_their_own_scoring_and_step_on(tiny_member
     alone, want = [m.new_state() for _ in prompts], []
     for a, p, q in zip(alone, prompts, positions):
         if q is None:
-            m._extend_own(a, p, last_only=True)
-        want.append(m._prompt_own(a, p, q) if q is not None else None)
+            m.run_extend(a, p, last_only=True)
+        want.append(m.run_prompt(a, p, q) if q is not None else None)
     states = [m.new_state() for _ in prompts]
     calls = [Prefill(m, s, ids=p, positions=q) for s, p, q in zip(states, prompts, positions)]
     run_prefills(m, calls, CONFIG)
@@ -150,13 +150,13 @@ def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, ke
     states, alone, group = _grouped(m, (7, 12, 10))
     cands = {0: [[21, 22, 23], [24, 25]], 2: [[26], [27, 28, 29, 30], [31, 32]]}
     calls = [Score(m, states[i], cands=c) for i, c in cands.items()] + [_ext(m, states[1], 40)]
-    heads, head, shapes, forward = [], m.head, [], m._forward
+    heads, head, shapes, forward = [], m.head, [], m.forward
     assert m.head_splits()  # (checked once per member, with a head of its own)
     monkeypatch.setattr(m, "head", lambda h: heads.append(tuple(h.shape[:-1])) or head(h))
-    monkeypatch.setattr(m, "_forward", lambda *a, **kw: shapes.append(kw["input_ids"].shape) or forward(*a, **kw))
+    monkeypatch.setattr(m, "forward", lambda *a, **kw: shapes.append(kw["input_ids"].shape) or forward(*a, **kw))
     run_step(m, calls)
     monkeypatch.delattr(m, "head")
-    monkeypatch.delattr(m, "_forward")
+    monkeypatch.delattr(m, "forward")
     if split == "always":
         assert list(map(tuple, shapes)) == [(1, 1), (2, 7)] and heads == [(12,)]  # the extend: its logits as they are
     else:
@@ -164,7 +164,7 @@ def test_inline_scoring_in_a_step_matches_each_rows_own_scoring(tiny_members, ke
     m.extend(alone[1], [40])
     wants = {}
     for c, (i, cs) in zip(calls, cands.items()):
-        want = wants[i] = m._score_own(alone[i], cs)
+        want = wants[i] = m.run_score(alone[i], cs)
         torch.testing.assert_close(c.result.float(), want.float(), atol=1e-4, rtol=1e-4)
         got, ref = m.scored(states[i], cs, c.result, False, True), m.scored(alone[i], cs, want, False, True)
         logp = torch.log_softmax(want.float(), dim=-1)  # each candidate's token log-probs, row by row

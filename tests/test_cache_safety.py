@@ -121,7 +121,7 @@ def test_the_cached_tokenizer_is_the_built_one(tokenizer_dirs, tmp_path, name):
 def test_token_bytes_that_differ_from_the_manifest_are_not_used(tokenizer_dirs, tmp_path):
     """The saved token bytes are read only when they are what the manifest records; a member then
     builds them from its tokenizer (the same bytes)."""
-    from ensemble_llm.members.member import TokenizerView
+    from ensemble_llm.members.view import TokenizerView
 
     folder = _tokenizer_folder(Path(tokenizer_dirs["smollm2-135m-instruct"]), tmp_path / "smol")
     tokenizer = load_cached_tokenizer(folder)

@@ -35,6 +35,8 @@ FLOORS = {
         "members.headpad",
         "members.prefix",
         "members.member",
+        "members.state",
+        "members.view",
         "members.bytelm",
         "members.loader",
         "members.sources",

@@ -48,7 +48,7 @@ def _reference(member, ids, positions=None):
     """The prompt's own full forward (reuse off): its state, and its scores with `positions`."""
     with prefixes(member, 0):
         state = member.new_state()
-        got = member._prompt_own(state, ids, positions)
+        got = member.run_prompt(state, ids, positions)
     return state, got
 
 

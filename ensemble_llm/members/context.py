@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from .scheduler import StepScheduler
@@ -126,8 +126,17 @@ class Counted:
         tally = current_tally()
         return 0 if tally is None else tally.reused.get(id(self), 0)
 
-    def _count_prefill(self) -> None:
+    def count_prefill(self) -> None:
+        """A forward that starts a fresh cache from a prompt, for the calling request."""
         self.n_prefill += 1
         tally = current_tally()
         if tally is not None:
             tally.add(self, 0, 0.0, 1)
+
+    def count_forward(self, tallies: Sequence[Tally | None], seconds: float) -> None:
+        """One forward (a step's, for every request in it): the member's totals, and once for each
+        request that took part (`tallies`: its calls' requests, None for none)."""
+        self.n_forward += 1
+        self.forward_time += seconds
+        for tally in {id(t): t for t in tallies if t is not None}.values():
+            tally.add(self, 1, seconds)

@@ -32,13 +32,14 @@ import torch
 
 from ..errors import ConfigError
 from .bytelm import Beam, ByteLM, Context, Hyp
-from .context import Counted, check_request, current_tally
+from .context import check_request, current_tally
 from .llama_cpp import LlamaRunner, Seq
-from .member import TOKENIZER_SAMPLE, TokenizerView
 from .prefix import PrefixCache, configured_bytes
 from .protocol import IN_PROCESS, SHARES_CORES, KVAccount, PromptScore, prompt_score
 from .scheduler import outside_steps, run_call
+from .state import StateMember
 from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
+from .view import TOKENIZER_SAMPLE
 
 _SERIAL = itertools.count(1)
 PROMPT_PIECE = 32  # prompt tokens per decode, aligned (`prompt_pieces`); under llama.cpp's 64-row tiles
@@ -80,7 +81,7 @@ def open_runner(
     return LlamaRunner(path, n_ctx, n_threads or cpu_cores(), gpu_layers, extra_bufts=bool(v.extra_bufts))
 
 
-class LlamaMember(Counted, TokenizerView):
+class LlamaMember(StateMember):
     """A GGUF model on llama.cpp with its transformers tokenizer (see the module)."""
 
     capabilities = IN_PROCESS | {SHARES_CORES}
@@ -120,7 +121,7 @@ class LlamaMember(Counted, TokenizerView):
         self.n_prefill = 0
         self.forward_time = 0.0
         self.prefixes = PrefixCache(configured_bytes())  # stored prompts: their cells saved as bytes
-        self._lock = threading.RLock()  # one decode at a time; sequences change under it
+        self.lock = threading.RLock()  # one decode at a time; sequences change under it
         self.executor = LlamaExecutor(self)
 
     def __repr__(self) -> str:
@@ -149,125 +150,30 @@ class LlamaMember(Counted, TokenizerView):
 
     def close(self) -> None:
         """Free the context and the model (the member is unusable after)."""
-        with self._lock:
+        with self.lock:
             self.prefixes.clear()
             self.runner.close()
 
-    # ---- the state API -------------------------------------------------------------------
+    # ---- the state API's hooks (state.py) ---------------------------------------------------
     def new_state(self) -> LlamaState:
         return LlamaState()
 
-    def prefill(self, ids: Sequence[int]) -> LlamaState:
-        ready = self._take_ready(ids)
-        if ready is not None:
-            return ready
-        self._count_prefill()
-        state = self.new_state()
-        self.extend(state, ids, last_only=True)
-        return state
-
-    def extend(self, state: LlamaState, ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
-        if not ids:
-            raise ValueError("extend() needs at least one token id")
-        ids = [int(i) for i in ids]
-        self.drop_candidates(state)
-        if len(ids) > 1 and last_only and not state.ids:  # a prompt
-            return run_call(Prefill(self, state, ids=ids))
-        return run_call(Extend(self, state, tokens=ids, last_only=last_only))
-
-    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]:
-        """As `Member.score_prompt`: log p(ids[p] | ids[:p]) from the prompt's prefill, whose state
-        is kept for the next `prefill` of the same ids."""
-        if not ids:
-            raise ValueError("score_prompt() needs at least one token id")
-        self._ready_slot(take=True)
-        self._count_prefill()
-        state = self.new_state()
-        scores = run_call(Prefill(self, state, ids=[int(i) for i in ids], positions=[int(p) for p in positions]))
-        self._ready_slot(state)
-        return scores
-
-    def crop(self, state: LlamaState, n: int) -> None:
-        self.drop_candidates(state)
-        if not 0 <= n <= len(state.ids):
-            raise ValueError(f"crop({n}) out of range for a state of {len(state.ids)} tokens")
-        if n == len(state.ids):
-            return
-        with self._lock:
+    def _cut(self, state: LlamaState, n: int) -> None:
+        with self.lock:
             if n == 0:
                 state.seq = None  # its id goes back to the pool
             elif state.seq is not None:
                 self.runner.seq_rm(state.seq.id, n, -1)
-        del state.ids[n:]
-        state.next_logprobs = state.next_logits = None
 
-    @contextlib.contextmanager
-    def scratch(self, state: LlamaState):
-        base = len(state.ids)
-        self.ensure_next(state)
-        saved = (state.next_logprobs, state.next_logits)
-        try:
-            yield state
-        finally:
-            self.crop(state, base)
-            state.next_logprobs, state.next_logits = saved
-
-    def ensure_next(self, state: LlamaState) -> torch.Tensor:
-        if state.next_logprobs is None:
-            last = state.ids[-1]
-            self.crop(state, len(state.ids) - 1)
-            self.extend(state, [last])
-        return state.next_logprobs
-
-    # ---- specfuse's candidates -------------------------------------------------------------
-    def score_inline(
-        self, state: LlamaState, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
-    ) -> list[torch.Tensor]:
-        """As `Member.score_inline`: every candidate in a fork of the state, all in one decode."""
-        if not candidates or any(len(c) == 0 for c in candidates):
-            raise ValueError("score_inline needs non-empty candidates")
-        self.drop_candidates(state)
-        self.ensure_next(state)
-        cands = [[int(t) for t in c] for c in candidates]
-        logits = run_call(Score(self, state, cands=cands))
-        return self.scored(state, cands, logits, raw_logits, keep)
-
-    def scored(
-        self, state: LlamaState, cands: list[list[int]], logits: torch.Tensor, raw_logits: bool, keep: bool
-    ) -> list[torch.Tensor]:
-        """score_inline's answer from its decode's `logits` [total, V] (as `Member.scored`); the
-        candidates' forks stay for keep_candidate when `keep`."""
-        starts = [sum(len(c) for c in cands[:i]) for i in range(len(cands))]
-        after = logits[[s + len(c) - 1 for s, c in zip(starts, cands)]]
-        state.scored = (starts, cands, after)
-        first = state.next_logits if raw_logits else state.next_logprobs
-        out = []
-        for s, c in zip(starts, cands):
-            rows = logits[s : s + len(c) - 1]
-            got = rows.gather(1, torch.tensor(c[1:], dtype=torch.long)[:, None])[:, 0]
-            if not raw_logits:
-                got = got - torch.logsumexp(rows, dim=-1)
-            out.append(torch.cat([first[c[0]].reshape(1).float(), got]))
-        if not keep:
-            self.drop_candidates(state)
-        return out
-
-    def keep_candidate(self, state: LlamaState, index: int) -> None:
-        """The state becomes its candidate `index`'s fork (context + candidate), the others dropped."""
-        starts, cands, after = state.scored
-        with self._lock:
+    def _keep_kv(self, state: LlamaState, index: int) -> None:
+        """The state's sequence becomes candidate `index`'s fork (context + candidate)."""
+        with self.lock:
             state.seq = state.forks[index]
             state.forks = None
-        state.ids.extend(cands[index])
-        state.next_logits = after[index]
-        state.next_logprobs = torch.log_softmax(state.next_logits, dim=-1)
-        state.scored = None
 
-    def drop_candidates(self, state: LlamaState) -> None:
-        if state.scored is not None or state.forks is not None:
-            with self._lock:
-                state.forks = None  # their ids go back to the pool
-            state.scored = None
+    def _drop_kv(self, state: LlamaState) -> None:
+        with self.lock:
+            state.forks = None  # their ids go back to the pool
 
     # ---- whole prompts -----------------------------------------------------------------------
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
@@ -275,30 +181,17 @@ class LlamaMember(Counted, TokenizerView):
         prompt, tgt = [int(i) for i in prompt_ids], [int(i) for i in target_ids]
         ids = prompt + tgt
         check_request()
-        with outside_steps(), self._lock:
+        with outside_steps(), self.lock:
             seq = self.runner.seqs.take()
             wants = [len(prompt) - 1 <= p < len(ids) - 1 for p in range(len(ids))]
             t0 = time.perf_counter()
             rows = self.executor.decode(ids, list(range(len(ids))), [seq.id] * len(ids), wants)
-            self._counted([current_tally()], time.perf_counter() - t0)
+            self.count_forward([current_tally()], time.perf_counter() - t0)
         logp = torch.log_softmax(torch.from_numpy(rows), dim=-1)
         return float(logp.gather(1, torch.tensor(tgt)[:, None]).sum())
 
     def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool | str = False):
         return LlamaByteLM(self, beam_width, prune_threshold, temperature, keep_fresh=keep_fresh)
-
-    def kv_tensor(self, state: LlamaState) -> torch.Tensor:
-        raise NotImplementedError("a llama.cpp member's KV stays in llama.cpp; smc asks for byte_lm()")
-
-    def forward_rows(self, prefix_kv, paths, tokens):
-        raise NotImplementedError("a llama.cpp member runs smc's trees as forks; smc asks for byte_lm()")
-
-    def _counted(self, tallies: Sequence, seconds: float) -> None:
-        """One decode: the member's totals, and once for each request that took part."""
-        self.n_forward += 1
-        self.forward_time += seconds
-        for tally in {id(t): t for t in tallies if t is not None}.values():
-            tally.add(self, 1, seconds)
 
 
 def prompt_pieces(start: int, end: int) -> list[tuple[int, int]]:
@@ -334,7 +227,7 @@ class LlamaExecutor:
     def recover(self, call: StepCall) -> None:
         """After a failed step: the call's sequence holds exactly its state's tokens, no forks."""
         state = call.state
-        with self.member._lock:
+        with self.member.lock:
             if state is not None:
                 state.forks, state.scored = None, None
                 if state.seq is not None:
@@ -344,7 +237,7 @@ class LlamaExecutor:
         """Every call's first piece in one decode, then the prompts' later pieces (`_prompt`) in
         as many more: piece k of every call that has one in decode k."""
         m = self.member
-        with m._lock:
+        with m.lock:
             plans = [self._plan(c) for c in calls]
             rows: list[list[np.ndarray]] = [[] for _ in plans]
             t0 = time.perf_counter()
@@ -356,7 +249,7 @@ class LlamaExecutor:
                     n = sum(piece[3])
                     rows[i].append(out[at : at + n])
                     at += n
-            m._counted([c.tally for c in calls], time.perf_counter() - t0)
+            m.count_forward([c.tally for c in calls], time.perf_counter() - t0)
             for p, got in zip(plans, rows):
                 p[1](torch.from_numpy(got[0] if len(got) == 1 else np.concatenate(got)))
 

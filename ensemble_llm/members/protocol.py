@@ -115,13 +115,7 @@ class TokenLM(Protocol):
 
     def ensure_next(self, state: Any) -> torch.Tensor: ...
 
-    # ---- batched and in-line forwards ----------------------------------------------------------
-    def kv_tensor(self, state: Any) -> torch.Tensor: ...
-
-    def forward_rows(
-        self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]], tokens: Sequence[int]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
-
+    # ---- in-line scoring and whole prompts ---------------------------------------------------------
     def score_inline(
         self, state: Any, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
     ) -> list[torch.Tensor]: ...

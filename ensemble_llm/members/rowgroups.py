@@ -74,12 +74,12 @@ class RowGroupExecutor:
         m = self.member
         if isinstance(call, Tree):
             return m.rows_many([call.tree], [call.tally])[0]
-        m._own(call.state)
+        m.own(call.state)
         if isinstance(call, Prefill):
-            return m._prompt_own(call.state, call.ids, call.positions, tally=call.tally)
+            return m.run_prompt(call.state, call.ids, call.positions, tally=call.tally)
         if isinstance(call, Score):
-            return m._score_own(call.state, call.cands, tally=call.tally)
-        return m._extend_own(call.state, call.tokens, call.last_only, tally=call.tally)
+            return m.run_score(call.state, call.cands, tally=call.tally)
+        return m.run_extend(call.state, call.tokens, call.last_only, tally=call.tally)
 
     def recover(self, call: StepCall) -> None:
         """After a failed step: the call's state holds its own tokens again (a row's columns past
@@ -87,7 +87,7 @@ class RowGroupExecutor:
         state = call.state
         if state is None:
             return
-        with self.member._lock:
+        with self.member.lock:
             if state.group is not None:
                 state.group.crop(state, len(state.ids))
             state.scored = None
@@ -220,7 +220,7 @@ class RowGroup:
         # forward and the columns a shorter call leaves empty get none; with Gemma-3's 262k-row
         # layer that is most of a mixed step's work
         sparse = config.sparse_head and sum(reads) < len(rows) * max(reads) and m.head_splits()
-        out = m._forward(
+        out = m.forward(
             tallies=[c.tally for c in calls],
             hidden=sparse,
             input_ids=tokens,
@@ -331,14 +331,14 @@ def run_prefills(member: Any, calls: list[Prefill], config: BatchingConfig) -> N
     (each row at its own positions; the model masks the pads, sliding windows included), their
     states the rows of a new group, ready for the steps. A lone prompt runs on its own cache. A
     prompt scored too (`positions`: score_prompt) gets the output layer at its own rows."""
-    with member._lock:
+    with member.lock:
         seeds = {id(c): member.seed(c.state, c.ids, c.positions, c.tally) for c in calls}
         fresh = [c for c in calls if not seeds[id(c)][0]]
         seeded = [c for c in calls if seeds[id(c)][0]]
         for part, run in ((fresh, _fresh_prompts), (seeded, _seeded_prompts)):
             if len(part) == 1:
                 c = part[0]
-                c.result = member._prompt_own(c.state, c.ids, c.positions, tally=c.tally, seeded=seeds[id(c)])
+                c.result = member.run_prompt(c.state, c.ids, c.positions, tally=c.tally, seeded=seeds[id(c)])
             elif part:
                 run(member, part, seeds, config)
 
@@ -392,7 +392,7 @@ def _prefill_forward(member: Any, calls: list[Prefill], scoring: bool) -> tuple:
     tokens, valid = tokens.to(dev), valid.to(dev)
     pos = valid.long().cumsum(-1) - 1
     cache = DynamicCache()
-    out = member._forward(
+    out = member.forward(
         tallies=[c.tally for c in calls],
         hidden=scoring,
         input_ids=tokens,
@@ -427,15 +427,15 @@ def batch_masks(member: Any, seen: torch.Tensor, qpos: torch.Tensor, kpos: torch
 def run_step(member: Any, calls: list[StepCall], config: BatchingConfig) -> None:
     """One member's step over its waiting calls: in their common group when they have one (and it
     is not worn), else in a new group of these states (a lone call runs on its own cache)."""
-    with member._lock:
+    with member.lock:
         alone = [c for c in calls if len(calls) == 1 or not c.state.ids]  # an empty state has no cache to join
         for c in alone:
             if c.state.group is not None:
                 c.state.group.release(c.state)
             if isinstance(c, Score):
-                c.result = member._score_own(c.state, c.cands, tally=c.tally)
+                c.result = member.run_score(c.state, c.cands, tally=c.tally)
             else:
-                c.result = member._extend_own(c.state, c.new, last_only=c.last_only, tally=c.tally)
+                c.result = member.run_extend(c.state, c.new, last_only=c.last_only, tally=c.tally)
         calls = [c for c in calls if c not in alone]
         if not calls:
             return

@@ -221,7 +221,7 @@ class MemberActor:
             st = None if positions is not None else self._prefilled(ids)
             if st is None:
                 st = m.new_state()
-                m._count_prefill()
+                m.count_prefill()
                 count = None if tag is None else _TagCount(self.objs, tag)
                 if count is not None:
                     count.add(m, 0, 0.0, 1)
@@ -313,7 +313,7 @@ class MemberActor:
     def op_score_prompt(self, ids: list[int], positions: list[int]) -> list[float]:
         out = self.member.score_prompt(ids, positions)
         # for the prefill that follows (requests interleave here)
-        self.ready[tuple(ids)] = self.member._ready_slot(take=True)
+        self.ready[tuple(ids)] = self.member.ready_slot(take=True)
         while len(self.ready) > READY_KEPT:
             self.ready.popitem(last=False)
         return out
@@ -334,22 +334,6 @@ class MemberActor:
 
     def op_target_logprob(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         return self.member.target_logprob(prompt_ids, target_ids)
-
-    def op_kv_tensor(self, h: int) -> np.ndarray:
-        return self.member.kv_tensor(self._state(h)).float().cpu().numpy()
-
-    def op_forward_rows(self, prefix_kv, paths, tokens) -> tuple:
-        dev, dt = self.member.device, self.member.dtype
-        pre = torch.tensor(prefix_kv).to(dev, dt)
-        cache: dict[int, torch.Tensor] = {}
-
-        def t(x):  # the same array object -> the same tensor (tree attention shares path slices)
-            if id(x) not in cache:
-                cache[id(x)] = torch.tensor(x).to(dev, dt)
-            return cache[id(x)]
-
-        logits, kvs = self.member.forward_rows(pre, [[t(x) for x in p] for p in paths], tokens)
-        return logits.cpu().numpy(), [k.float().cpu().numpy() for k in kvs]
 
     # rows: small answers only
     def op_top(self, r: int, i: int, n: int) -> tuple[list[float], list[int]]:

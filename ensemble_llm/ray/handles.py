@@ -23,11 +23,11 @@ class _Handle:
     __slots__ = ("owner", "id", "__weakref__")
 
     def __init__(self, owner: "RayMember") -> None:
-        self.owner, self.id = owner, next(owner._ids)
+        self.owner, self.id = owner, next(owner.handle_ids)
 
     def __del__(self) -> None:
         try:
-            self.owner._dead.append(self.id)
+            self.owner.dead_handles.append(self.id)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -66,17 +66,17 @@ class RemoteRow:
     def shape(self) -> tuple[int]:
         return (self.owner.vocab_size,)
 
-    def _ask(self, op: str, *args) -> "Pending":
-        return self.owner._ask(op, self.rows.handle.id, self.i, *args)
+    def ask(self, op: str, *args) -> "Pending":
+        return self.owner.ask(op, self.rows.handle.id, self.i, *args)
 
     def top(self, n: int) -> "Pending":
-        return self._ask("top", n)
+        return self.ask("top", n)
 
     def take(self, ids: Sequence[int]) -> "Pending":
-        return self._ask("take", [int(i) for i in ids])
+        return self.ask("take", [int(i) for i in ids])
 
     def query(self, ids: Sequence[int]) -> "Pending":
-        return self._ask("query", [int(i) for i in ids])
+        return self.ask("query", [int(i) for i in ids])
 
     def pick(self, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
         seed = None
@@ -86,13 +86,13 @@ class RemoteRow:
                 if generator is not None
                 else int(torch.randint(0, 2**62, ()))
             )
-        return self._ask("pick", float(temperature), float(top_p), seed).get()
+        return self.ask("pick", float(temperature), float(top_p), seed).get()
 
     def masked(self, allowed: np.ndarray, adds: list[tuple[int, float]], k: int) -> tuple["RemoteRow", Pending]:
         """A grammar's mask (`Guide.mask_row`) applied on the actor: a new row there with the forbidden
         tokens at -inf and `adds` logaddexp'd in, and the top k of it. 1 bit per token goes up."""
         rows = RemoteRows(self.owner, 1)
-        best = self._ask(
+        best = self.ask(
             "mask", rows.handle.id, np.packbits(allowed), len(allowed), [(int(h), float(v)) for h, v in adds], int(k)
         )
         return rows[0], best
@@ -100,11 +100,11 @@ class RemoteRow:
     def merge(self, merges: list[tuple[int, int]]) -> None:
         """out[heir] = logaddexp(out[heir], out[t]); out[t] = -inf for each pair, in order (no wait)."""
         if merges:
-            self.owner._submit("merge", self.rows.handle.id, self.i, [(int(h), int(t)) for h, t in merges])
+            self.owner.submit("merge", self.rows.handle.id, self.i, [(int(h), int(t)) for h, t in merges])
 
     def fetch(self) -> torch.Tensor:
         """The whole row (vocabulary-sized: only where a step needs every token, e.g. a grammar mask)."""
-        return torch.tensor(self._ask("fetch").get())
+        return torch.tensor(self.ask("fetch").get())
 
 
 class RemoteState:
@@ -134,7 +134,7 @@ class Pending:
         self.owner, self.ref = owner, ref
 
     def get(self) -> Any:
-        return self.owner._get(self.ref)
+        return self.owner.fetch(self.ref)
 
 
 class _Rows:
@@ -178,7 +178,7 @@ class RemoteByteLM:
         self.member = member
         self.handle = _Handle(member)
         # "lazy" (defer the fresh hypothesis' forward) is kept eagerly there: the same figures
-        member._submit(
+        member.submit(
             "bytelm", self.handle.id, int(beam_width), float(prune_threshold), float(temperature), bool(keep_fresh)
         )
         self._pending: list[tuple[list[RemoteBeam], Pending]] = []
@@ -191,13 +191,13 @@ class RemoteByteLM:
             todo, self._advances = self._advances, []
             pairs = [(new.handle.id, old.handle.id, b) for new, old, b in todo]
             self._pending.append(
-                ([new for new, _, _ in todo], self.member._ask("bytelm_advance", self.handle.id, pairs))
+                ([new for new, _, _ in todo], self.member.ask("bytelm_advance", self.handle.id, pairs))
             )
 
     def start(self, prompt_ids: Sequence[int]) -> RemoteBeam:
         self._flush()
         beam = RemoteBeam(self)
-        beam._tokens = self.member._ask("bytelm_start", self.handle.id, beam.handle.id, list(prompt_ids)).get()
+        beam._tokens = self.member.ask("bytelm_start", self.handle.id, beam.handle.id, list(prompt_ids)).get()
         return beam
 
     def _resolve(self) -> None:
@@ -228,4 +228,4 @@ class RemoteByteLM:
 
     def compact(self, beams: Sequence[RemoteBeam]) -> None:
         self._resolve()
-        self.heals = self.member._ask("bytelm_compact", self.handle.id, [b.handle.id for b in beams]).get()
+        self.heals = self.member.ask("bytelm_compact", self.handle.id, [b.handle.id for b in beams]).get()

@@ -9,15 +9,14 @@ import itertools
 import time
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ..errors import GenerationError
 from ..members.context import Tally, check_request, current_check, current_tally
-from ..members.member import TokenizerView
 from ..members.protocol import KVAccount
 from ..members.scheduler import outside_steps, run_call
 from ..members.steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
+from ..members.view import TokenizerView
 from .actor import MAX_RESTARTS, WAIT_SLICE_S, _ray, payload_bytes
 from .handles import Pending, RemoteByteLM, RemoteRow, RemoteRows, RemoteState, _Handle
 
@@ -43,8 +42,8 @@ class _Part:
         self.owner, self.ref, self.i = owner, ref, i
 
     def get(self) -> Any:
-        out = self.owner._get(self.ref, count=False)[self.i]
-        self.owner._count(payload_bytes(out), 1)
+        out = self.owner.fetch(self.ref, count=False)[self.i]
+        self.owner.count_moved(payload_bytes(out), 1)
         return out
 
 
@@ -74,18 +73,18 @@ class RayExecutor:
         m = self.member
         if isinstance(call, Prefill):
             if call.positions is not None:
-                return Pending(m, m._forward("score_prompt", call.ids, call.positions))
+                return Pending(m, m.forward("score_prompt", call.ids, call.positions))
             rows = RemoteRows(m, 1)
-            m._forward("prefill", call.state.handle.id, rows.handle.id, call.ids)
+            m.forward("prefill", call.state.handle.id, rows.handle.id, call.ids)
             return rows
         if isinstance(call, Extend):
             rows = RemoteRows(m, 1 if call.last_only else len(call.tokens))
-            m._forward("extend", call.state.handle.id, rows.handle.id, call.tokens, call.last_only)
+            m.forward("extend", call.state.handle.id, rows.handle.id, call.tokens, call.last_only)
             return rows
         if isinstance(call, Score):
-            return Pending(m, m._forward("score_inline", call.state.handle.id, call.cands, *call.opts))
+            return Pending(m, m.forward("score_inline", call.state.handle.id, call.cands, *call.opts))
         if isinstance(call, Tree) and call.tree[0] == "bytelm":  # (_, byte LM handle, beam handles)
-            return m._ask("bytelm_next", call.tree[1], call.tree[2])
+            return m.ask("bytelm_next", call.tree[1], call.tree[2])
         raise ValueError(f"a member in a Ray actor does not run {type(call).__name__} calls")
 
 
@@ -108,8 +107,8 @@ class RayMember(TokenizerView):
         # the KV budget counts this member's caches apart from every other device (its actor's own)
         self.kv_device = f"ray:{info['name']}#{next(_SERIAL)}"
         self.device = torch.device("cpu")  # where the caller's own (small) tensors live
-        self._ids = itertools.count(1)
-        self._dead: collections.deque[int] = collections.deque()
+        self.handle_ids = itertools.count(1)
+        self.dead_handles: collections.deque[int] = collections.deque()
         self.bytes_moved = 0
         self.round_trips = 0  # waits for an answer (calls that need none are queued without waiting)
         self._known = (0, 0.0, 0)  # the actor's counters when last read
@@ -139,7 +138,7 @@ class RayMember(TokenizerView):
             c = tally.remote[id(self)] = _Count(self)
         return c
 
-    def _count(self, nbytes: int, trips: int) -> None:
+    def count_moved(self, nbytes: int, trips: int) -> None:
         """Bytes and round trips, for the member and for the calling request."""
         self.bytes_moved += nbytes
         self.round_trips += trips
@@ -148,7 +147,7 @@ class RayMember(TokenizerView):
             c.bytes += nbytes
             c.trips += trips
 
-    def _submit(self, op: str, *args, count: bool = True, tags: tuple | None = None):
+    def submit(self, op: str, *args, count: bool = True, tags: tuple | None = None):
         """Queue `op` on the actor; the forwards it runs count for the requests in `tags` (by
         default the calling one: smc's byte LM, for one, runs forwards inside its calls)."""
         if tags is None:
@@ -157,21 +156,21 @@ class RayMember(TokenizerView):
         dead = []
         while True:
             try:
-                dead.append(self._dead.popleft())
+                dead.append(self.dead_handles.popleft())
             except IndexError:
                 break
         if count:
-            self._count(payload_bytes(args) + 8 * len(dead), 0)
+            self.count_moved(payload_bytes(args) + 8 * len(dead), 0)
         return self.actor.call.remote(op, args, dead, tags)
 
-    def _ask(self, op: str, *args) -> Pending:
-        return Pending(self, self._submit(op, *args))
+    def ask(self, op: str, *args) -> Pending:
+        return Pending(self, self.submit(op, *args))
 
-    def _forward(self, op: str, *args):
+    def forward(self, op: str, *args):
         """A call that runs a forward pass: the request's guard (deadline, cancellation) first; the
         actor counts its forwards for the request."""
         check_request()
-        return self._submit(op, *args)
+        return self.submit(op, *args)
 
     def _get_raw(self, ref, check, count: bool = True) -> Any:
         ray = _ray()
@@ -183,10 +182,10 @@ class RayMember(TokenizerView):
                 if check is not None:
                     check()  # raises past the request's deadline or when its caller went away
         if count:
-            self._count(payload_bytes(out), 1)
+            self.count_moved(payload_bytes(out), 1)
         return out
 
-    def _get(self, ref, count: bool = True) -> Any:
+    def fetch(self, ref, count: bool = True) -> Any:
         ray = _ray()
         try:
             return self._get_raw(ref, current_check(), count)
@@ -219,7 +218,7 @@ class RayMember(TokenizerView):
         check = current_check()
         while True:
             try:
-                return self._get_raw(self._submit(op, *args, count=False), check, count=False)
+                return self._get_raw(self.submit(op, *args, count=False), check, count=False)
             except ray.exceptions.ActorUnavailableError:
                 if check is not None:
                     check()
@@ -270,7 +269,7 @@ class RayMember(TokenizerView):
         if state.scored is None and n == len(state.ids):
             return
         state.scored = None
-        self._submit("crop", state.handle.id, int(n))
+        self.submit("crop", state.handle.id, int(n))
         if n < len(state.ids):
             del state.ids[n:]
             state.next_row = None
@@ -278,7 +277,7 @@ class RayMember(TokenizerView):
     def ensure_next(self, state: RemoteState) -> RemoteRow:
         if state.next_row is None:
             rows = RemoteRows(self, 1)
-            self._forward("ensure_next", state.handle.id, rows.handle.id)
+            self.forward("ensure_next", state.handle.id, rows.handle.id)
             state.next_row = rows[0]
         return state.next_row
 
@@ -287,11 +286,11 @@ class RayMember(TokenizerView):
         base = len(state.ids)
         self.ensure_next(state)
         saved = state.next_row
-        self._submit("scratch_enter", state.handle.id)
+        self.submit("scratch_enter", state.handle.id)
         try:
             yield state
         finally:
-            self._submit("scratch_exit", state.handle.id)
+            self.submit("scratch_exit", state.handle.id)
             del state.ids[base:]
             state.next_row, state.scored = saved, None
 
@@ -311,13 +310,13 @@ class RayMember(TokenizerView):
         if state.scored is None:
             raise ValueError("keep_candidate needs a score_inline(keep=True) first")
         rows = RemoteRows(self, 1)
-        self._submit("keep_candidate", state.handle.id, int(index), rows.handle.id)
+        self.submit("keep_candidate", state.handle.id, int(index), rows.handle.id)
         state.ids.extend(state.scored[index])
         state.next_row, state.scored = rows[0], None
 
     def drop_candidates(self, state: RemoteState) -> None:
         if state.scored is not None:
-            self._submit("drop_candidates", state.handle.id)
+            self.submit("drop_candidates", state.handle.id)
             state.scored = None
 
     def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[float]:
@@ -332,7 +331,7 @@ class RayMember(TokenizerView):
 
     def forget_prompt(self, ids: Sequence[int]) -> None:
         """Drop the state `score_prompt` left on the actor for `ids` (sent, not waited for)."""
-        self._submit("forget_prompt", [int(i) for i in ids], count=False)
+        self.submit("forget_prompt", [int(i) for i in ids], count=False)
 
     def greedy_after(self, ids: Sequence[int], continuation: Sequence[int]) -> bool:
         """`Member.greedy_after` on the actor, on the state score_prompt left there."""
@@ -340,13 +339,13 @@ class RayMember(TokenizerView):
             raise ValueError("greedy_after() needs at least one token of continuation")
         with outside_steps():
             return Pending(
-                self, self._forward("greedy_after", [int(i) for i in ids], [int(t) for t in continuation])
+                self, self.forward("greedy_after", [int(i) for i in ids], [int(t) for t in continuation])
             ).get()
 
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
         with outside_steps():
             return Pending(
-                self, self._forward("target_logprob", [int(i) for i in prompt_ids], [int(i) for i in target_ids])
+                self, self.forward("target_logprob", [int(i) for i in prompt_ids], [int(i) for i in target_ids])
             ).get()
 
     # ---- batched steps (members/scheduler.py): one call to the actor per step -------------
@@ -365,7 +364,7 @@ class RayMember(TokenizerView):
                     continue
                 c.result = RemoteRows(self, 1)
                 items.append((c.state.handle.id, c.result.handle.id, list(c.ids), tag, None))
-            ref = self._submit("prefills", items, count=False, tags=())  # counted per request there
+            ref = self.submit("prefills", items, count=False, tags=())  # counted per request there
             for i, c in enumerate(calls):
                 if c.positions is not None:
                     c.result = _Part(self, ref, i)
@@ -378,14 +377,14 @@ class RayMember(TokenizerView):
                     items.append(("extend", c.state.handle.id, c.result.handle.id, c.new, c.last_only, tag))
                 else:
                     items.append(("score", c.state.handle.id, c.cands, *c.opts, tag))
-            ref = self._submit("step", items, count=False, tags=())
+            ref = self.submit("step", items, count=False, tags=())
             for i, c in enumerate(calls):
                 if isinstance(c, Score):
                     c.result = _Part(self, ref, i)
         elif kind == "tree" and all(c.tree[0] == "bytelm" for c in calls):  # smc: requests' byte LMs
             # each request's forwards are counted on the actor, for those whose contexts needed one
             items = [(c.tree[1], c.tree[2], None if n is None else n.handle.id) for c, n in zip(calls, counts)]
-            ref = self._submit("bytelm_next_many", items, count=False, tags=())
+            ref = self.submit("bytelm_next_many", items, count=False, tags=())
             for i, c in enumerate(calls):
                 c.result = _Part(self, ref, i)
         else:
@@ -395,25 +394,6 @@ class RayMember(TokenizerView):
             self.bytes_moved += nbytes
             if n is not None:
                 n.bytes += nbytes
-
-    def kv_tensor(self, state: RemoteState) -> torch.Tensor:
-        """The state's whole KV cache, fetched (smc runs its byte LM on the actor instead)."""
-        return torch.tensor(self._ask("kv_tensor", state.handle.id).get())
-
-    def forward_rows(self, prefix_kv, paths, tokens):
-        """`Member.forward_rows` with the KV slices shipped both ways (smc uses `byte_lm` instead)."""
-        arrays: dict[int, np.ndarray] = {}
-
-        def a(x):
-            if id(x) not in arrays:
-                arrays[id(x)] = x.float().cpu().numpy()
-            return arrays[id(x)]
-
-        logits, kvs = Pending(
-            self,
-            self._forward("forward_rows", a(prefix_kv), [[a(x) for x in p] for p in paths], [int(t) for t in tokens]),
-        ).get()
-        return torch.tensor(logits), [torch.tensor(k) for k in kvs]
 
     def byte_lm(
         self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool | str = False

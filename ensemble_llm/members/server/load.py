@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import ConfigError
-from ..member import TOKENIZER_SAMPLE
 from ..sources import GGUF_KINDS, Source, gguf_file
+from ..view import TOKENIZER_SAMPLE
 from .client import ServerClient, ServerError
 from .member import ServerMember
 

@@ -22,9 +22,9 @@ from typing import Any, Sequence
 import torch
 
 from ..context import Counted, current_tally
-from ..member import TokenizerView
 from ..protocol import KVAccount, PromptScore
 from ..scheduler import outside_steps
+from ..view import TokenizerView
 from .client import ServerClient
 from .rows import ANY_SERVER, ServerRow, missing
 
@@ -91,7 +91,7 @@ class ServerMember(Counted, TokenizerView):
         t0 = time.perf_counter()
         with outside_steps():  # the step scheduler does not wait for a request on the wire
             ans = self.client.post("/completion", body)
-        self._counted(time.perf_counter() - t0)
+        self.count_forward([current_tally()], time.perf_counter() - t0)
         return ans.get("completion_probabilities") or []
 
     def _chain(self, prompt: Sequence[int], entries: list[dict], mode, forced: int) -> list[ServerRow]:
@@ -165,13 +165,6 @@ class ServerMember(Counted, TokenizerView):
         row.child = got.child
 
     # ---- accounting --------------------------------------------------------------------------
-    def _counted(self, seconds: float, prefills: int = 0) -> None:
-        self.n_forward += 1
-        self.forward_time += seconds
-        tally = current_tally()
-        if tally is not None:
-            tally.add(self, 1, seconds, prefills)
-
     def prompt_reused(self) -> None:
         return None  # the server's prompt cache reuses prompts; its figure is not summed per request
 
@@ -187,7 +180,7 @@ class ServerMember(Counted, TokenizerView):
             raise ValueError("prefill() needs at least one token id")
         state = ServerState([int(i) for i in ids])
         state.next_row = self._ahead(state.ids)
-        self._count_prefill()
+        self.count_prefill()
         return state
 
     def extend(self, state: ServerState, ids: Sequence[int], last_only: bool = False) -> list[ServerRow]:
@@ -297,7 +290,7 @@ class ServerMember(Counted, TokenizerView):
             rows = self._along(state.next_row, cont) or self._forced(state.ids, cont)
             return all(r.values[t] >= r.values[r.order[0]] - tie for r, t in zip(rows, cont))
         finally:
-            self._ready_slot(state)
+            self.ready_slot(state)
 
     def target_logprob(self, prompt_ids: Sequence[int], target_ids: Sequence[int]) -> float:
         tgt = [int(t) for t in target_ids]
@@ -305,12 +298,6 @@ class ServerMember(Counted, TokenizerView):
         return float(sum(r.values[t] for r, t in zip(rows, tgt)))
 
     def byte_lm(self, beam_width: int, prune_threshold: float, temperature: float, keep_fresh: bool | str = False):
-        raise missing(self, NO_BYTES, ANY_SERVER)
-
-    def kv_tensor(self, state: ServerState) -> torch.Tensor:
-        raise missing(self, NO_BYTES, ANY_SERVER)
-
-    def forward_rows(self, prefix_kv, paths, tokens):
         raise missing(self, NO_BYTES, ANY_SERVER)
 
 
