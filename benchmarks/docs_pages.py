@@ -47,7 +47,7 @@ STUDIES = {
         "tasks (three floor tasks, five where both members are competent) were scored once with the "
         "exam and copy test (`benchmarks/floor_report.py`), as were the two earlier outside floor tasks "
         "again, for the pooled floor figure. What the exam with the copy test costs a request, cold "
-        "and warm (`benchmarks/exam_cost.py`). Fresh processes differ by 10-20% here, so the first "
+        "and warm (`git show 23aa640:benchmarks/exam_cost.py`). Fresh processes differ by 10-20% here, so the first "
         "request's ratio (1.01 to 1.17, medians of 5 rounds) is noisy. The paired figure runs the same "
         "prompts whole with the exam on and off in one process: 1.05 (specfuse, the default), 1.09 "
         "(safe) and 1.11 (unite), so unite is over the 10% the issue asked. What bounds it: each "

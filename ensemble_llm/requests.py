@@ -216,6 +216,7 @@ def member_entries(members: Sequence[Any], placement: str = "local") -> tuple[li
     """Each member's (Source, preamble, MemberOptions), checked before anything loads: options
     that do not fit the source (a revision of a local folder) are refused. With placement="ray"
     the options travel to the member's actor, which loads the member with them."""
+    from .members.backends import BACKENDS
     from .members.loader import check_options, resolve_source
 
     sources, preambles, options = [], [], []
@@ -223,10 +224,11 @@ def member_entries(members: Sequence[Any], placement: str = "local") -> tuple[li
         entry = member_spec(spec, i)
         source = resolve_source(entry.model)
         check_options(source, entry.options)
-        if placement == "ray" and entry.options.backend == "server":
+        backend = BACKENDS.get(entry.options.backend)  # None: "auto", an in-process one
+        if placement == "ray" and backend is not None and not backend.in_process:
             raise ConfigError(
-                f"member {i} runs in the server at {entry.options.url}, so it needs no Ray actor; use "
-                "placement='local' (the server places its own model), or drop backend='server'."
+                f"member {i} runs in the {backend.name} at {entry.options.url}, so it needs no Ray actor; use "
+                f"placement='local' (the server places its own model), or drop backend={backend.name!r}."
             )
         sources.append(source)
         preambles.append(entry.preamble)

@@ -85,6 +85,7 @@ class LlamaMember(StateMember):
     """A GGUF model on llama.cpp with its transformers tokenizer (see the module)."""
 
     capabilities = IN_PROCESS | {SHARES_CORES}
+    numerics, quantized = "llama.cpp", "gguf"
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ConfigError
-from .backends import loader_of
+from .backends import BACKENDS, loader_of
 from .convert import TRANSFORMERS_LOADS, convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
 from .fetch import cache_root, fetch_bundled
 from .hub import hub_file, hub_folder, split_hub_ref
@@ -316,7 +316,7 @@ def load_member(
     dt = resolve_dtype(dtype, dev)
     backend = resolve_backend(source, options, cache_dir, progress)
     key = (source, str(dev), str(dt), str(cache_dir), trust_remote_code, options, backend)
-    key += (slots,) if backend == "llama.cpp" else ()  # its context is sized for them
+    key += (slots,) if BACKENDS[backend].slots else ()  # its context is sized for them
     with _CACHE_LOCK:
         lock = _KEY_LOCKS.setdefault(key, threading.Lock())
     with lock:  # one load per model; different models may load in parallel

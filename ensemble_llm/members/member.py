@@ -110,6 +110,15 @@ class Member(StateMember):
 
         return kv_bytes_per_token(self.model.config.to_dict(), self.dtype)
 
+    @property
+    def quantized(self) -> str | None:
+        """How the loaded weights are quantized (the model config's quant_method), or None."""
+        qc = getattr(self.model.config, "quantization_config", None)
+        if qc is None:
+            return None
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        return str(getattr(method, "value", method))
+
     def kv_account(self) -> KVAccount:
         """Its KV on its device, a batch's rows padded to the longest (rowgroups.py)."""
         return KVAccount(str(self.device), self.kv_per_token, padded=True)

@@ -417,7 +417,7 @@ def _member_row(source, dev: torch.device, dt, opts: MemberOptions, cache_dir, c
     backend = resolve_backend(source, opts, cache_dir)
     if not BACKENDS[backend].in_process:  # its weights and KV cache are the server's
         return MemberPlan(source.name, None, backend, None, None, 0, (), f"in the {backend} at {opts.url}")
-    if backend == "llama.cpp":
+    if BACKENDS[backend].maps_file:
         path = gguf_file(source, cache_dir, progress=False, revision=opts.revision)
         size = gguf_size(path)
         weight, dtype_name, kv_dtype = path.stat().st_size, "gguf", torch.float16

@@ -86,6 +86,7 @@ class TokenLM(Protocol):
     backend: str  # members/backends.py's name for what runs it
     dtype: torch.dtype
     numerics: str  # what computes its log-probs where it is not transformers here ("" if it is)
+    quantized: str | None  # how its weights are quantized ("gguf": a GGUF file's own), None: not
     capabilities: frozenset[str]  # of FULL_ROWS, LOGITS, BYTE_LM, SHARES_CORES
     vocab: Any  # members.vocab.Vocab: token index, byte trie, llguidance tokenizer (built once, owned here)
 

@@ -138,7 +138,7 @@ class StepScheduler:
                 # a request still prefilling or scoring is not waited for longer): this thread steps
                 late = time.monotonic() - max(call.since, self._stepped) >= self.config.gather_s
                 if not self._stepping and (len(self._pending) >= self._active - self._busy or late):
-                    self._step()
+                    self.step()
                 else:
                     self._cond.wait(self.config.gather_s)
         if call.error is not None:
@@ -170,14 +170,16 @@ class StepScheduler:
             c.deferred += 1
         return taken
 
-    def _step(self) -> None:
-        """Run the groups `take` chooses (called with the lock held; released during the forwards)."""
-        groups, self._stepping = self.take(), True
+    def step(self) -> None:
+        """One step, the whole loop in three parts: schedule (`take` the groups), run (each group's
+        executor, the lock released during the forwards), update (answer the calls, wake their
+        requests). Called with the lock held by a waiting request's thread."""
+        groups, self._stepping = self.take(), True  # schedule
         self._cond.release()
         try:
-            for group in groups:
+            for group in groups:  # run
                 self._run_group(group)
-        finally:
+        finally:  # update
             self._cond.acquire()
             for g in groups:
                 for c in g:

@@ -40,11 +40,10 @@ class TokenizerView:
 
     tokenizer_folder: str | None = None  # a folder whose tokenizer we cached (convert.load_cached_tokenizer)
 
-    @property
-    def numerics(self) -> str:
-        """What computes this member's log-probs, where it is not transformers in this process
-        (cached figures such as the calibrated weights are kept apart by it)."""
-        return "llama.cpp" if self.backend == "llama.cpp" else ""
+    # what computes its log-probs where it is not transformers in this process (cached figures such as
+    # the calibrated weights are kept apart by it)
+    numerics = ""
+    quantized: str | None = None  # how its weights are quantized ("gguf": the file's own), None: not
 
     def _init_tokens(self, name: str, tokenizer, vocab_size: int, eos_ids, source: str) -> None:
         self.name = name

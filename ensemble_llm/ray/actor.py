@@ -120,6 +120,7 @@ class MemberActor:
         return {
             "name": m.name,
             "backend": m.backend,
+            "numerics": m.numerics,
             "vocab_size": m.vocab_size,
             "context_window": m.context_window,
             "eos_ids": sorted(m.eos_ids),
@@ -131,19 +132,8 @@ class MemberActor:
             "kv_per_token": m.kv_per_token,
             "free_bytes": free_bytes(str(m.device)) or 0,  # where its KV lives, its weights loaded
             "placed": sorted({str(v) for v in (getattr(m, "device_map", None) or {}).values()}),  # a split member
-            "quantized": self._quantized(),
+            "quantized": m.quantized,
         }
-
-    def _quantized(self) -> str | None:
-        """How the loaded weights are quantized (the model config's quant_method; llama.cpp: the
-        GGUF's own), or None."""
-        if self.member.backend == "llama.cpp":
-            return "gguf"
-        qc = getattr(self.member.model.config, "quantization_config", None)
-        if qc is None:
-            return None
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        return str(getattr(method, "value", method))
 
     def tokenizer_digest(self) -> str:
         """A digest of the member's tokenizer files (names and contents)."""

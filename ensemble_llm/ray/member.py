@@ -101,6 +101,8 @@ class RayMember(TokenizerView):
         self.n_params = int(info["n_params"])
         self.dtype = info["dtype"]  # the actor's torch dtype, as a string
         self.backend = info.get("backend", "transformers")  # what runs the model on the actor
+        self.numerics = info.get("numerics", "")
+        self.quantized = info.get("quantized")
         self.actor_device = info["device"]
         self.kv_per_token = info.get("kv_per_token")  # KV bytes per token of context, on the actor
         self.free_bytes = int(info.get("free_bytes") or 0)  # free where its KV lives, once loaded
