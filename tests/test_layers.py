@@ -5,6 +5,7 @@ HTTP client imports neither torch nor transformers. The floors are CONTRIBUTING.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +261,21 @@ def test_a_backend_is_its_folder_and_a_registry_entry():
     outside = {m: deps for m, deps in graph().items() if not m.startswith("members.server")}
     users = sorted(m for m, deps in outside.items() if any(d.startswith("members.server") for d in deps))
     assert not users, f"modules outside members/server/ import it: {users}"
+
+
+def test_no_backend_name_is_compared_outside_the_registry_and_the_auto_policy():
+    """A backend is its folder and a registry entry: code elsewhere asks the registry or the member
+    (`backend`, `numerics`, `capabilities`), never compares a backend's name."""
+    from ensemble_llm.members.backends import BACKENDS
+
+    names = "|".join(re.escape(n) for n in BACKENDS)
+    compared = re.compile(rf'(==|!=)\s*"({names})"|"({names})"\s*(==|!=)|\bbackend\s*(==|!=)\s')
+    allowed = {"members/backends.py", "members/sources.py"}  # the registry; what "auto" picks
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if compared.search(line)
+    ]
+    assert not hits, "ask members/backends.py or the member instead:\n" + "\n".join(hits)

@@ -1,9 +1,9 @@
-"""One loaded causal LM and the token-level API the ensembling methods use.
+"""The transformers backend: one loaded causal LM, its KV caches and its forwards.
 
-A method never touches transformers directly. It asks a member to encode/decode text (with byte
-end offsets of every token), to render chat messages into its own prompt, and to run forwards
-on a KV cache it owns through a `KVState`: prefill/extend (log-probs for every new position),
-crop (rollback), batched forwards, and in-line scoring of several candidates in one pass.
+A method never touches transformers directly: it calls the state API (`StateMember`, state.py) on
+a `KVState`. This module supplies what that API runs on: the KV hooks (crop a cache, keep or drop
+scored candidates), the forwards a step's calls need (`run_prompt`, `run_extend`, `run_score`,
+`forward`; rowgroups.py batches them), the output layer, and smc's token trees.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def _server_options(raw: dict, backend: str, where: str) -> tuple[str | None, fl
     for key in ("url", "timeout"):
         if raw.get(key) is not None and key not in own:
             raise ConfigError(f"{where} {key}= applies to backend='server' (a model in a running server); add it.")
-    if backend != "server":
+    if "url" not in own:  # a backend that reaches its model over HTTP takes these
         return None, None
     url = raw.get("url")
     if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", url):

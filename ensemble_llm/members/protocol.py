@@ -1,15 +1,16 @@
 """`TokenLM`: the whole of what an ensembling method may ask of a member.
 
-`Member` (member.py, the transformers backend, in this process), `LlamaMember` (llama.py),
-`RayMember` (ensemble_llm/ray/, the model in a Ray actor) and `ServerMember` (server/, the model in
-a llama.cpp server) implement it; what a member lacks of `capabilities` is refused up front
-(methods/base.py `check_capabilities`). Methods only call what is listed here; they never set
-attributes on a member and only read a state's `ids` and `next_logprobs` (a member's cache is
-changed through `extend`, `crop`, `scratch`, `score_inline`/`keep_candidate`). A row of log-probs
-(`next_logprobs`, a row of what `extend` returns) is a tensor for a member here and a handle for a
-member in an actor: methods ask rows for small answers through `members.rows` (top-k, values
-at ids, argmax) and `rows.pick_token`, never index them directly, so vocabulary-sized work
-stays where the model is.
+`Member` (member.py, the transformers backend, in this process) and `LlamaMember` (llama.py)
+implement it through `StateMember` (state.py, the state API written once over each one's executor
+and KV hooks); `RayMember` (ensemble_llm/ray/, the model in a Ray actor) and `ServerMember`
+(server/, the model in a llama.cpp server) forward it over their transport; what a member lacks of
+`capabilities` is refused up front (methods/base.py `check_capabilities`). Methods only call what
+is listed here; they never set attributes on a member and only read a state's `ids` and
+`next_logprobs` (a member's cache is changed through `extend`, `crop`, `scratch`,
+`score_inline`/`keep_candidate`). A row of log-probs (`next_logprobs`, a row of what `extend`
+returns) is a tensor for a member here and a handle for a member in an actor: methods ask rows for
+small answers through `members.rows` (top-k, values at ids, argmax) and `rows.pick_token`, never
+index them directly, so vocabulary-sized work stays where the model is.
 """
 
 from __future__ import annotations
