@@ -79,8 +79,29 @@ def test_following_its_own_continuation_costs_no_request(pair):
     state = remote.prefill(remote.prompt_ids("Count: one, two, three,"))
     before = remote.client.requests
     for _ in range(8):  # greedy, as the server wrote ahead
-        remote.extend(state, [R.top(state.next_logprobs, 1)[1][0]])
+        remote.extend(state, [R.pick_token(state.next_logprobs)])
     assert remote.client.requests == before
+
+
+def test_a_greedy_member_alone_asks_the_server_for_no_log_probs(url):
+    """Greedy `single` reads only the server's own tokens, so its requests ask for no log-probs (a
+    log-prob per token is work for the server), and it writes what the member in process writes.
+    A value read later is asked then, and the member asks log-probs from then on."""
+    spec = server_spec(url, timeout=59.0)  # options of its own: a member no other test has loaded
+    got, want = Ensemble([spec], method="single"), Ensemble([SMOL], method="single")
+    try:
+        for p in PROMPTS:
+            assert got.generate(p, max_new_tokens=24).text == want.generate(p, max_new_tokens=24).text
+        remote, local = got.members[0], want.members[0]
+        assert remote.top_k == 0
+        a, b = local.prefill(local.prompt_ids(PROMPTS[0])), remote.prefill(local.prompt_ids(PROMPTS[0]))
+        token = R.pick_token(a.next_logprobs)
+        assert R.pick_token(b.next_logprobs) == token
+        assert R.take(b.next_logprobs, [token]) == pytest.approx(R.take(a.next_logprobs, [token]), abs=TOL)
+        assert remote.top_k == 1
+    finally:
+        got.close()
+        want.close()
 
 
 @pytest.mark.parametrize("method", ["single", "specfuse", "safe", "unite"])

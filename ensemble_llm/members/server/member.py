@@ -59,8 +59,10 @@ class ServerMember(Counted, TokenizerView):
     def __init__(self, name: str, client: ServerClient, tokenizer, info: dict, *, top_k: int, source: str) -> None:
         self.client, self.url = client, client.url
         # top entries asked with each row: the most a method has asked of a row so far, up to `top_k`
-        # (single and specfuse read the best only; unite and safe their top_k)
-        self.top_k, self.most_k = 1, int(top_k)
+        # (greedy `single` reads none: the server's own token; specfuse the best; unite and safe
+        # their top_k). With none, a row holds the server's token alone: a log-prob per token is
+        # work for the server
+        self.top_k, self.most_k = 0, int(top_k)
         self._init_tokens(name, tokenizer, info["n_vocab"], [], source)
         self.device, self.dtype = torch.device("cpu"), torch.float32  # what it sends back: float log-probs
         self.context_window = int(info["n_ctx"])
@@ -82,7 +84,8 @@ class ServerMember(Counted, TokenizerView):
         body = {
             "prompt": [int(t) for t in prompt],
             "n_predict": n,
-            "n_probs": k or self.top_k,
+            "n_probs": self.top_k if k is None else k,
+            "return_tokens": True,
             "post_sampling_probs": False,  # log-probs of the raw logits, before any sampler
             "cache_prompt": True,
             "stream": False,
@@ -92,7 +95,10 @@ class ServerMember(Counted, TokenizerView):
         with outside_steps():  # the step scheduler does not wait for a request on the wire
             ans = self.client.post("/completion", body)
         self.count_forward([current_tally()], time.perf_counter() - t0)
-        return ans.get("completion_probabilities") or []
+        probs = ans.get("completion_probabilities")
+        if probs or body["n_probs"]:
+            return probs or []
+        return [{"id": t, "logprob": None, "top_logprobs": []} for t in ans.get("tokens") or ()]
 
     def _chain(self, prompt: Sequence[int], entries: list[dict], mode, forced: int) -> list[ServerRow]:
         """Rows for the positions after `prompt` that `entries` describe, each linked to the next."""
@@ -101,7 +107,8 @@ class ServerMember(Counted, TokenizerView):
         for j, e in enumerate(entries):
             top = [(int(t["id"]), float(t["logprob"])) for t in e["top_logprobs"]]
             row = ServerRow(self, seq, len(prompt) + j, top)
-            row.values.setdefault(int(e["id"]), float(e["logprob"]))  # whatever wrote it, its raw log-prob
+            if e["logprob"] is not None:  # whatever wrote it, its raw log-prob
+                row.values.setdefault(int(e["id"]), float(e["logprob"]))
             if j < forced or mode is not None:
                 row.follow(e["id"], e["logprob"], None if j < forced else mode)
             if rows:
@@ -131,7 +138,8 @@ class ServerMember(Counted, TokenizerView):
         body, end = (toks, None) if cut is None else (toks[:cut], toks[cut])
         if body:
             grammar = "root ::= " + " ".join(f"<[{t}]>" for t in body)
-            entries = self._completion(prompt, len(body) + 1, {"temperature": 0.0, "grammar": grammar})
+            extra = {"temperature": 0.0, "grammar": grammar}
+            entries = self._completion(prompt, len(body) + 1, extra, max(1, self.top_k))
             rows = self._chain(prompt, entries, None, len(body))
         else:
             rows = [self._biased(prompt, end)]
@@ -143,7 +151,8 @@ class ServerMember(Counted, TokenizerView):
     def _biased(self, prompt: Sequence[int], token: int) -> ServerRow:
         """The row after `prompt` with `token`'s exact log-prob: the token is written by a logit
         bias (the log-probs sent are the raw logits', before it)."""
-        entries = self._completion(prompt, 1, {"temperature": 0.0, "logit_bias": [[int(token), 1000.0]]})
+        extra = {"temperature": 0.0, "logit_bias": [[int(token), 1000.0]]}
+        entries = self._completion(prompt, 1, extra, max(1, self.top_k))
         row = self._chain(prompt, entries, None, 1)[0]
         if row.token != int(token):
             raise missing(self, f"its logit bias did not write token {token}", "update the server.")
@@ -161,7 +170,7 @@ class ServerMember(Counted, TokenizerView):
 
     def draw(self, row: ServerRow, temperature: float, top_p: float, seed: int) -> None:
         got = self._ahead(row.prefix, (temperature, top_p), seed)
-        row.follow(got.token, got.values[got.token], (temperature, top_p))
+        row.follow(got.token, got.values.get(got.token), (temperature, top_p))
         row.child = got.child
 
     # ---- accounting --------------------------------------------------------------------------
@@ -244,7 +253,7 @@ class ServerMember(Counted, TokenizerView):
         for cand in candidates:
             cand = [int(t) for t in cand]
             rows = self._along(first, cand) or self._forced(state.ids, cand)
-            out.append(torch.tensor([r.values[t] for r, t in zip(rows, cand)], dtype=torch.float32))
+            out.append(torch.tensor([r.take([t]).get()[0] for r, t in zip(rows, cand)], dtype=torch.float32))
             kept.append((cand, rows[len(cand)] if len(rows) > len(cand) else None))
         state.scored = kept if keep else None
         return out
@@ -288,7 +297,7 @@ class ServerMember(Counted, TokenizerView):
         state = self.prefill(ids)
         try:
             rows = self._along(state.next_row, cont) or self._forced(state.ids, cont)
-            return all(r.values[t] >= r.values[r.order[0]] - tie for r, t in zip(rows, cont))
+            return all(r.take([t]).get()[0] >= r.top(1).get()[0][0] - tie for r, t in zip(rows, cont))
         finally:
             self.ready_slot(state)
 

@@ -54,9 +54,10 @@ class ServerRow:
     def prefix(self) -> list[int]:
         return list(self.seq[: self.n])
 
-    def follow(self, token: int, value: float, mode: tuple[float, float] | None) -> None:
+    def follow(self, token: int, value: float | None, mode: tuple[float, float] | None) -> None:
         self.token, self.mode, self.used = int(token), mode, False
-        self.values.setdefault(int(token), float(value))
+        if value is not None:  # None: the server was asked for no log-probs
+            self.values.setdefault(int(token), float(value))
 
     # ---- what members.rows asks ----------------------------------------------------------
     def top(self, n: int) -> Ready:
@@ -67,6 +68,8 @@ class ServerRow:
     def take(self, ids: Sequence[int]) -> Ready:
         """The values at `ids`: from the top WIDE when they are there (one request), else each asked."""
         ids = [int(i) for i in ids]
+        if any(t not in self.values for t in ids) and not self.order:  # a row asked with no log-probs
+            self.member.widen(self, 1)  # its best (and the token the server wrote, when it is that)
         if any(t not in self.values for t in ids) and len(self.order) < WIDE:
             self.member.widen(self, WIDE)
         for t in ids:
@@ -75,13 +78,15 @@ class ServerRow:
         return Ready([self.values[t] for t in ids])
 
     def query(self, ids: Sequence[int]) -> Ready:
-        return Ready((self.order[0], self.take(ids).get()))
+        return Ready((self.top(1).get()[1][0], self.take(ids).get()))
 
     def pick(self, temperature: float, top_p: float, generator) -> int:
         """argmax at temperature 0; else a draw the server made at this position with these settings
         (softmax(logits / T) cut to top_p), each draw used once."""
         if temperature <= 0.0:
-            return self.order[0]
+            if not self.order and self.token is not None and self.mode == (0.0, 1.0):
+                return self.token  # the server's greedy token: its argmax
+            return self.top(1).get()[1][0]
         if not (self.mode == (temperature, top_p) and self.token is not None and not self.used):
             seed = _draw(generator) if generator is not None else random.getrandbits(31)
             self.member.draw(self, temperature, top_p, seed)
