@@ -150,13 +150,11 @@ STUDIES = {
         "(one client), and 8 clients at once against 1. `python benchmarks/server_members.py "
         "benchmarks/results/server_members/results.json`. What it found: 38 to 40 of 40 texts the same "
         "for every method (a near tie goes the other way where the server's batching moves a log-prob by "
-        "up to 2.3e-4); one client through the member at 0.79x to 1.20x the server alone (4 rounds); 8 "
-        "clients at 1.05x to 1.71x one (median 1.48), where the server alone reaches 1.28x to 2.14x "
-        "(median 1.88) on these 2 cores. What bounds the member is the server's work for the requests it "
-        "needs: the server alone, asked as the member asks (16 tokens a request, each with its top "
-        "log-prob), gives 79 to 99 tokens/s with 8 clients against 98 to 118 for whole replies without "
-        "log-probs, and the member gets 0.93x to 1.05x of it. (Rounds 0 and 1 and rounds 2 and 3 are two "
-        "runs of `--speed`.)",
+        "up to 2.3e-4); one client through the member at 0.97x to 1.02x the server alone; 8 clients at "
+        "1.37x to 1.38x one and 0.81x to 0.96x what the server alone writes for 8 (it reached 1.46x to "
+        "1.64x one in this run on these 2 cores). What bounds the member is the server's work on the cores "
+        "the engine shares: asked as the member asks (16 tokens a request), the server alone gives 146 to "
+        "157 tokens/s with 8 clients, and the member gets 0.85x to 0.90x of it.",
         ["server_members/results.md"],
     ),
     "chat": (
