@@ -26,10 +26,9 @@ from ..protocol import KVAccount, PromptScore
 from ..scheduler import outside_steps
 from ..view import TokenizerView
 from .client import ServerClient
-from .rows import ANY_SERVER, ServerRow, missing
+from .rows import ANY_SERVER, GREEDY, ServerRow, missing
 
 LOOKAHEAD = 16  # tokens of the server's own continuation asked with each next row
-GREEDY = (0.0, 1.0)
 NO_BYTES = "smc and scoring walk every token's probability at each byte, which a server does not send"
 
 

@@ -27,6 +27,7 @@ def missing(member: Any, what: str, servers: str) -> CapabilityError:
     )
 
 
+GREEDY = (0.0, 1.0)  # the (temperature, top_p) of a continuation the server wrote greedily
 WIDE = 64  # top entries asked of a row once values outside its top are needed (unite, safe)
 FULL_ROWS = "the whole row of next-token log-probs is needed here (constrained output: tools, JSON)"
 ANY_SERVER = "run this member in process (drop backend='server') for it."
@@ -84,7 +85,7 @@ class ServerRow:
         """argmax at temperature 0; else a draw the server made at this position with these settings
         (softmax(logits / T) cut to top_p), each draw used once."""
         if temperature <= 0.0:
-            if not self.order and self.token is not None and self.mode == (0.0, 1.0):
+            if not self.order and self.token is not None and self.mode == GREEDY:
                 return self.token  # the server's greedy token: its argmax
             return self.top(1).get()[1][0]
         if not (self.mode == (temperature, top_p) and self.token is not None and not self.used):
