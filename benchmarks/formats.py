@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> None:
 
     data = json.loads(SET.read_text(encoding="utf-8"))
     members, method, config = CONFIGS[args.config]
-    out = args.out / args.half / f"{args.config}.jsonl"
+    if args.set:
+        config = dict(config or {}) | {k: json.loads(v) for k, v in (x.split("=", 1) for x in args.set)}
+    out = args.out / args.half / f"{args.label or args.config}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done(out)
     jobs = [(f, it) for f in args.formats if f != "rag" for it in data[args.half]]
@@ -141,9 +143,8 @@ def markdown(reps: dict, half: str) -> str:
         md.append("|---|---|---|---|---|")
         for c, m in rep["methods"].items():
             low = [t for t, x in m["per_task"].items() if (x["better_member"] - x["correct"]) * 100 / x["n"] > 2]
-            md.append(
-                f"| {c} | {rep['correct'][c]} | {_ci(m['vs_best_member'])} | {_ci(m['vs_router'])} | {', '.join(low) or '-'} |"
-            )
+            cells = [c, str(rep["correct"][c]), _ci(m["vs_best_member"]), _ci(m["vs_router"]), ", ".join(low) or "-"]
+            md.append("| " + " | ".join(cells) + " |")
         md.append("")
     return "\n".join(md)
 
@@ -164,6 +165,8 @@ def main() -> None:
     ap.add_argument("--half", choices=["tune", "outside"], default="tune")
     ap.add_argument("--formats", nargs="+", choices=[*FORMATS, "rag"], default=[*FORMATS, "rag"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "formats")
+    ap.add_argument("--set", nargs="*", default=[], help="method config fields, KEY=JSON (weights=[0.7,0.3])")
+    ap.add_argument("--label", help="the configuration's name in the results (default: --config)")
     args = ap.parse_args()
     run(args) if args.command == "run" else report(args)
 

@@ -143,7 +143,7 @@ def task_items(task: str) -> dict[str, list[dict]]:
     out = {}
     for half, pool in halves.items():
         items = []
-        for i, q in enumerate(pool[: PER_TASK[half]]):
+        for _i, q in enumerate(pool[: PER_TASK[half]]):
             rng = random.Random(f"{SALT}:{task}:{q}")
             shots = rng.sample([x for x in pool if x != q], SHOTS)
             a, opts = rows[q]

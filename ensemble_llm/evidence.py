@@ -21,11 +21,11 @@ explain them about equally keep weights near the prior and are ensembled. A floo
 member's weight above `FLOOR` so that a weight is never exactly zero.
 
 Where the evidence comes from:
-- raw prompts: the prompt's last line is a label the reply completes ("A:", "Answer:",
-  "German:"); each earlier line that starts with the same label shows an answer: the bytes after
-  the label up to and including the line's newline (`answer_spans`);
-- chat requests: the earlier assistant turns' contents, found in each member's rendered prompt
-  (`chat_spans`).
+- raw prompts, in any line format: the prompt ends with a label the reply completes ("A:",
+  " =>", "Answer:" and a newline: `_label`), and each earlier occurrence of that label shows an
+  answer, the bytes after it up to and including the newline (`answer_spans`);
+- chat requests: the earlier assistant turns' contents, each found in each member's rendered
+  prompt after the turns before it (`chat_spans`).
 A prompt that shows no answer keeps the prior weights.
 
 The shot exam (`shot_exam`, on by default, at any `evidence` rate): from the same prefill, how far
@@ -67,46 +67,89 @@ EXAM_BEHIND = 3.0
 COPY_TOKENS = 16  # a longer question is not tested as a copy (the test could extend by as much)
 
 
+def _label(body: str) -> tuple[str, list[int]] | None:
+    """The label the reply completes in `body` (the prompt after a newline, trailing spaces off)
+    and where it occurs earlier: the longest suffix that begins after a whitespace character
+    (which it includes), holds at most MAX_LABEL characters, ends in a sign ("A:", " =>",
+    "Answer:" and a newline) and occurs earlier as often as the shortest such suffix that occurs
+    earlier at all (a longer one would take in the query's own words). None: no label."""
+    found, count = None, 0
+    for i in range(len(body) - 1, max(0, len(body) - MAX_LABEL - 1), -1):
+        if not body[i - 1].isspace() or body[i].isspace():
+            continue
+        label = body[i - 1 :]
+        if label.rstrip()[-1:].isalnum():
+            continue
+        at, j = [], body.find(label)
+        while 0 <= j < len(body) - len(label):
+            at.append(j)
+            j = body.find(label, j + len(label))
+        if not at or (count and len(at) < count):
+            if count:
+                break
+            continue
+        found, count = (label, at), len(at)
+    return found
+
+
+def _shots(text: str) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]] | None:
+    """(body, the shown answers' character spans in it, the span of the question before each
+    answer and the query's: from its line's start to the label) for a raw few-shot prompt; None
+    where no label repeats (see `answer_spans`)."""
+    body = "\n" + text.rstrip(" \t")
+    found = _label(body)
+    if found is None:
+        return None
+    label, at = found
+    spans, questions = [], []
+    for j in at + [len(body) - len(label)]:
+        questions.append((body.rfind("\n", 0, j) + 1, j))
+        if j < len(body) - len(label):
+            s = j + len(label)
+            e = body.find("\n", s)
+            e = len(body) if e < 0 else e + 1  # the newline ends the answer: a member that knows when to stop
+            spans.append((s, e))
+    return body, spans, questions
+
+
 def answer_spans(text: str) -> list[tuple[int, int]]:
-    """Byte spans [start, end) of the answers a raw few-shot prompt shows (see the module doc)."""
-    head, sep, label = text.rpartition("\n")
-    label = label.rstrip()
-    if not sep or not label.strip() or len(label) > MAX_LABEL:
+    """Byte spans [start, end) of the answers a raw few-shot prompt shows, in any line format: the
+    prompt ends with a label (`_label`: "A:", " =>", "Answer:" and a newline) that occurs earlier,
+    and each earlier occurrence shows an answer, the bytes after it up to and including the
+    newline (an empty answer is left out)."""
+    shots = _shots(text)
+    if shots is None:
         return []
-    spans, pos = [], 0
-    data = head.encode("utf-8") + b"\n"
-    lab = label.encode("utf-8")
-    for line in data.split(b"\n")[:-1]:
-        end = pos + len(line) + 1  # the newline ends the answer: a member that knows when to stop
-        if line.startswith(lab) and line[len(lab) :].strip():
-            spans.append((pos + len(lab), end))
-        pos = end
-    return spans
+    body, spans, _ = shots
+
+    def byte(k: int) -> int:  # body's character k in text's bytes (body has a newline before text)
+        return len(text[: k - 1].encode("utf-8"))
+
+    return [(byte(s), byte(e)) for s, e in spans if body[s:e].strip()]
 
 
 def query_copy(text: str) -> str | None:
     """The reply that would copy the query's question in a raw few-shot prompt: the shown answers'
-    leading space, the question line before the final label (less the questions' own label, such
-    as "Q:"), a newline. None where the prompt shows no answer, a question cannot be read, or a
-    shown answer copies its own question (then a copy may be what the task asks for)."""
-    head, sep, label = text.rpartition("\n")
-    label = label.rstrip()
-    if not sep or not label.strip() or len(label) > MAX_LABEL:
+    leading space, the text between the line's start and the final label (less the questions'
+    own label, such as "Q:"), a newline. None where the prompt shows no answer, a question cannot
+    be read (empty, or an earlier answer where it goes), or a shown answer copies its own question
+    (then a copy may be what the task asks for)."""
+    shots = _shots(text)
+    if shots is None or not shots[1]:
         return None
-    lines = head.split("\n")
-    shown = [i for i, line in enumerate(lines) if line.startswith(label) and line[len(label) :].strip()]
-    asked = [i - 1 for i in shown] + [len(lines) - 1]
-    if not shown or asked[0] < 0 or set(asked) & set(shown):
-        return None
-    first = lines[asked[0]]
+    body, spans, where = shots
+    if any(q0 < e for (_, e), (q0, _) in zip(spans, where[1:])):
+        return None  # an answer where a question goes
+    asked = [body[q0:q1] for q0, q1 in where]
+    answers = [body[s:e].rstrip("\n") for s, e in spans]
+    first = asked[0]
     qlabel = first[: first.find(":") + 1] if 0 <= first.find(":") < MAX_LABEL else ""
-    if not all(lines[i].startswith(qlabel) for i in asked):
+    if not all(q.startswith(qlabel) for q in asked):
         qlabel = ""
-    questions = [lines[i][len(qlabel) :].strip() for i in asked]
-    answers = [lines[i][len(label) :].strip() for i in shown]
-    if not all(questions) or any(a == q for a, q in zip(answers, questions)):
+    questions = [q[len(qlabel) :].strip() for q in asked]
+    if not all(questions) or any(a.strip() == q for a, q in zip(answers, questions)):
         return None
-    last = lines[shown[-1]][len(label) :]
+    last = answers[-1]
     return last[: len(last) - len(last.lstrip())] + questions[-1] + "\n"
 
 
@@ -119,19 +162,21 @@ def copy_aside(copies: Sequence[bool], aside: Sequence[int] = ()) -> list[int]:
     return writers if len(writers) < len(left) else []
 
 
-def chat_spans(text: str, answers: Sequence[str]) -> list[tuple[int, int]]:
-    """Byte spans of the given assistant contents in a member's rendered chat prompt, in order."""
+def chat_spans(text: str, turns: Sequence[tuple[str, str]]) -> list[tuple[int, int]]:
+    """Byte spans of the assistant turns' contents in a member's rendered chat prompt, in order,
+    each anchored after the turns before it: every turn's content (system and user ones too) is
+    found from where the previous one ended, so a short answer ("A", "4") is not taken from a
+    preamble, a system text or its own question."""
     spans, at = [], 0
-    for a in answers:
-        a = a.strip()
-        if not a:
-            continue
-        i = text.find(a, at)
+    for role, content in turns:
+        c = content.strip()
+        i = text.find(c, at) if c else -1
         if i < 0:
             continue
-        b0 = len(text[:i].encode("utf-8"))
-        spans.append((b0, b0 + len(a.encode("utf-8"))))
-        at = i + len(a)
+        if role == "assistant":
+            b0 = len(text[:i].encode("utf-8"))
+            spans.append((b0, b0 + len(c.encode("utf-8"))))
+        at = i + len(c)
     return spans
 
 
@@ -199,14 +244,10 @@ def _auto(method) -> bool:
 def _plans(members, prompt, raw: bool, texts: list[str], prompt_ids: list[list[int]]) -> list[list[list[int]]]:
     """Per member, the positions of each shown answer's tokens in its prompt ids; [] when a
     member's prompt shows none (or its ids are not its text's tokens)."""
-    answers = (
-        []
-        if raw or isinstance(prompt, str)
-        else [content_text(m.get("content")) for m in prompt if m.get("role") == "assistant"]
-    )
+    turns = [] if raw or isinstance(prompt, str) else [(m.get("role"), content_text(m.get("content"))) for m in prompt]
     plans = []
     for m, text, ids in zip(members, texts, prompt_ids):
-        groups = span_groups(m, text, ids, answer_spans(text) if raw else chat_spans(text, answers))
+        groups = span_groups(m, text, ids, answer_spans(text) if raw else chat_spans(text, turns))
         if not groups or not all(groups):
             return []
         plans.append(groups)

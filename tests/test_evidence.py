@@ -19,6 +19,7 @@ from ensemble_llm.evidence import (
     chat_spans,
     exam_aside,
     posterior,
+    query_copy,
     request_weights,
     shot_exam,
     solo_member,
@@ -48,11 +49,41 @@ def test_answer_spans_are_the_shown_answers_with_their_newline():
     assert [s.encode()[a:b].decode() for a, b in answer_spans(s)] == [" Straßen\n"]
 
 
-def test_chat_spans_find_assistant_turns_in_order():
+def test_answer_spans_read_any_line_format():
+    def shown(text: str) -> list[str]:
+        return [text.encode()[a:b].decode() for a, b in answer_spans(text)]
+
+    # GPT-3's arrows: the label is inline, and the query's own words are not part of it
+    assert shown("cat => cats\ndog => dogs\nbox => boxes\nfox =>") == [" cats\n", " dogs\n", " boxes\n"]
+    assert shown("17 + 25 => 42\n3 + 5 => 8\n12 + 25 =>") == [" 42\n", " 8\n"]
+    # the answer on the line after its label, shots apart by a blank line
+    nextline = "Question: big\nAnswer:\nbigger\n\nQuestion: small\nAnswer:\nsmaller\n\nQuestion: wet\nAnswer:\n"
+    assert shown(nextline) == ["bigger\n", "smaller\n"]
+    assert shown("Q: a\nA: b\nQ: c\nA: ") == [" b\n"]  # a trailing space after the label
+    # prose that ends in a word is no label, even where the word occurs earlier
+    assert shown("The cat sat on the mat.\nThe cat") == []
+
+
+def test_chat_spans_find_assistant_turns_in_order_after_their_questions():
     text = "<|user|>Hi<|assistant|>Hello!<|user|>Again<|assistant|>Hello!<|user|>x<|assistant|>"
-    spans = chat_spans(text, ["Hello!", "Hello!", "not there", " "])
+    turns = [("user", "Hi"), ("assistant", "Hello!"), ("user", "Again"), ("assistant", "Hello!")]
+    spans = chat_spans(text, turns + [("assistant", "not there"), ("assistant", " ")])
     assert [text.encode()[a:b] for a, b in spans] == [b"Hello!", b"Hello!"]
     assert spans[0][0] < spans[1][0]
+    # a short answer is not taken from the preamble, the system text or its own question
+    text = "A conversation.<|system|>Answer A or B.<|user|>Pick A or B: 4<|assistant|>B"
+    text += "<|user|>2 + 2?<|assistant|>4<|user|>"
+    turns = [
+        ("system", "Answer A or B."),
+        ("user", "Pick A or B: 4"),
+        ("assistant", "B"),
+        ("user", "2 + 2?"),
+        ("assistant", "4"),
+    ]
+    spans = chat_spans(text, turns)
+    assert [text.encode()[a:b] for a, b in spans] == [b"B", b"4"]
+    assert spans[0][0] == text.index("<|assistant|>B") + len("<|assistant|>")
+    assert spans[1][0] == text.rindex("4")
 
 
 def test_span_positions_pick_tokens_ending_inside_a_span():
@@ -410,6 +441,31 @@ def test_a_member_far_behind_on_the_shot_exam_steps_aside(real_dirs, plural_prom
         Ensemble([smol, gemma], method=method, config={"exam": "yes"})
 
 
+def _reformat(qa: str, fmt: str) -> str:
+    """A `Q:/A:` few-shot prompt written in another line format."""
+    pairs = [(q[3:], a[3:]) for q, a in zip(qa.split("\n")[0::2], qa.split("\n")[1::2])]
+    (query, _), shots = pairs[-1], pairs[:-1]
+    if fmt == "arrow":
+        return "".join(f"{q} => {a}\n" for q, a in shots) + f"{query} =>"
+    return "".join(f"Question: {q}\nAnswer:\n{a}\n\n" for q, a in shots) + f"Question: {query}\nAnswer:\n"
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "nextline"])
+def test_the_exam_reads_shots_in_any_line_format(real_dirs, fmt):
+    """The Russian country names as `x => y` lines and with the answer on the next line: the exam
+    finds the shown answers without a `Q:/A:` label, SmolLM2 steps aside and the text is Gemma's;
+    the demonyms' copy test reads the question in either format."""
+    smol, gemma = real_dirs[SMOL], real_dirs[GEMMA]
+    eng = Ensemble([smol, gemma], method="specfuse").load()
+    names = [m.name for m in eng.members]
+    prompt = _reformat(RUSSIAN, fmt)
+    res = eng.generate(prompt, raw=True, max_new_tokens=8, stop=["\n"])
+    assert res.stats["exam"]["examined"] == 3 and res.stats["aside"] == [names[0]] and res.stats["solo"] == names[1]
+    alone = Ensemble([gemma], method="single").generate(prompt, raw=True, max_new_tokens=8, stop=["\n"])
+    assert res.text == alone.text
+    assert query_copy(_reformat(DEMONYM, fmt)) == (" Lithuania\n" if fmt == "arrow" else "Lithuania\n")
+
+
 @pytest.mark.parametrize("method", ["unite", "safe", "specfuse", "smc"])
 def test_a_member_that_copies_the_question_steps_aside(real_dirs, method):
     """Demonyms: Gemma-3 is near every shown answer (the exam keeps it), but its greedy reply to
@@ -441,6 +497,8 @@ def test_query_copy_reads_the_question_and_defers_to_shots_that_copy():
     assert query_copy("Q: go\nA:") is None  # no shown answer
     assert query_copy("Q: x\nA: y\nQ: \nA:") is None  # an empty question
     assert query_copy("Q: x\nA: y\nA: z\nQ: w\nA:") is None  # an answer line where a question goes
+    assert query_copy("cat => cats\ndog => dogs\nfox =>") == " fox\n"  # any line format
+    assert query_copy("Question: big\nAnswer:\nbigger\n\nQuestion: wet\nAnswer:\n") == "wet\n"
 
 
 def test_copy_tokens_are_a_short_continuation_of_the_prompt(tiny_members):
