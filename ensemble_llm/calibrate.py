@@ -22,8 +22,7 @@ question (up to `ANSWER_TOKENS` tokens, its end of turn or its chat stop strings
 names an accepted answer, and the weights are the mixture weights of "which member answers",
 EM on p[i, k] = ANSWER_EPS + (1 - 2 ANSWER_EPS) right[i, k] (`answer_weights`). A likelihood
 rewards a member that finds the reference reply probable, and a terse base model does, while
-its own replies miss the answer (on the bundled pair the likelihood gave Gemma-3 0.73 of the
-chat weight; greedily it answers fewer of the sample's questions than SmolLM2).
+its own replies miss the answer (docs/benchmarks/formats.md).
 
 Per-member log-likelihoods and answers are cached on disk (JSON, keyed by the model, its preamble
 and the data), so a member set is calibrated once per machine.
@@ -83,7 +82,7 @@ def _model_of(name: str) -> str:
 
 
 def bundled_logliks(data_digest: str, shipped_path: Path | None = None) -> dict[str, list[float]]:
-    """The bundled models' calibration log-likelihoods as they ship with the package, so that a
+    """The bundled models' calibration log-likelihoods (and chat answers) as they ship with the package, so that a
     first request does not spend its 18 s scoring the sample (measured here on the llama.cpp
     pair): only entries measured on this calibration sample and on the very file the registry
     pins now (its sha256), for the bundled name the entry is keyed by."""
