@@ -158,9 +158,37 @@ def report(args: argparse.Namespace) -> None:
     print(markdown(reps, args.half))
 
 
+NAMES = {"single-0": "SmolLM2-135M alone", "single-1": "Gemma-3-270M alone", "router": "better member per task"}
+
+
+def plot(args: argparse.Namespace) -> None:
+    """`<out>/<half>/accuracy.png`: each format's accuracy per configuration, the axis from 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reps = json.loads((args.out / args.half / "report.json").read_text(encoding="utf-8"))
+    fmts = list(reps)
+    configs = ["single-0", "single-1", "router"] + list(next(iter(reps.values()))["methods"])
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    width = 0.8 / len(configs)
+    for j, c in enumerate(configs):
+        acc = [100 * (r["router"] if c == "router" else r["correct"][c]) / r["examples"] for r in reps.values()]
+        ax.bar([i + j * width for i in range(len(fmts))], acc, width, label=NAMES.get(c, c))
+    labels = [f"{f}\n({reps[f]['examples']})" for f in fmts]
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(fmts))], labels)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("right answers, %")
+    ax.set_title(f"The formats set, {args.half} half: the bundled pair on llama.cpp, greedy")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(args.out / args.half / "accuracy.png", dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["run", "report"])
+    ap.add_argument("command", choices=["run", "report", "plot"])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="specfuse")
     ap.add_argument("--half", choices=["tune", "outside"], default="tune")
     ap.add_argument("--formats", nargs="+", choices=[*FORMATS, "rag"], default=[*FORMATS, "rag"])
@@ -168,7 +196,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="method config fields, KEY=JSON (weights=[0.7,0.3])")
     ap.add_argument("--label", help="the configuration's name in the results (default: --config)")
     args = ap.parse_args()
-    run(args) if args.command == "run" else report(args)
+    {"run": run, "report": report, "plot": plot}[args.command](args)
 
 
 if __name__ == "__main__":
