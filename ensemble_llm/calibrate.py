@@ -147,14 +147,16 @@ def answer_weights(right: np.ndarray) -> np.ndarray:
 
 def greedy_reply(member: Member, prompt_ids: list[int], stops: Sequence[str], budget: int = ANSWER_TOKENS) -> str:
     """The member's greedy reply to a prompt: up to an end-of-turn token, a stop string or `budget` tokens."""
+    from .members.rows import pick_token
+
     state, out = member.prefill(prompt_ids), []
     row = member.ensure_next(state)
     while len(out) < budget:
-        tok = int(row.argmax())
+        tok = pick_token(row)  # greedy, whatever the row type (in process, on a server, in Ray)
         if tok in member.eos_ids:
             break
         out.append(tok)
-        row = member.extend(state, [tok])[-1]
+        row = member.extend(state, [tok], last_only=True)[-1]
     text = member.decode(out)
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
     return text[:cut]
