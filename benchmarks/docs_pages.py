@@ -192,11 +192,14 @@ STUDIES = {
         "tie that goes to 'L'Étoile' and a loop, the README's own example; they were reverted. specfuse "
         "also follows Gemma's confident short replies against a 0.315 weight (parity: 'odd'), because it "
         "weighs each member's normalised preference between drafts and Gemma's is the sharper. The outside "
-        "half is not scored yet: no candidate has passed the tune half.",
+        "half is not scored yet: no candidate has passed the tune half. What ships (shown answers in any "
+        "line format, chat turns anchored) gives main's figures: the raw formats as in the answering run "
+        "(chat weights do not reach raw prompts), and with shots as chat turns 30 again (the last run).",
         [
             "formats/main/tune/report.md",
             "formats/chat_weights/tune/report.md",
             "formats/answering/tune/report.md",
+            "formats/shipped/tune/report.md",
         ],
     ),
 }
