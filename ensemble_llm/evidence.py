@@ -84,11 +84,10 @@ def _label(body: str) -> tuple[str, list[int]] | None:
         while 0 <= j < len(body) - len(label):
             at.append(j)
             j = body.find(label, j + len(label))
-        if not at or (count and len(at) < count):
-            if count:
-                break
-            continue
-        found, count = (label, at), len(at)
+        if count and len(at) < count:  # a longer suffix that takes in the query's own words
+            break
+        if at:
+            found, count = (label, at), len(at)
     return found
 
 
@@ -101,14 +100,11 @@ def _shots(text: str) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]
     if found is None:
         return None
     label, at = found
-    spans, questions = [], []
-    for j in at + [len(body) - len(label)]:
-        questions.append((body.rfind("\n", 0, j) + 1, j))
-        if j < len(body) - len(label):
-            s = j + len(label)
-            e = body.find("\n", s)
-            e = len(body) if e < 0 else e + 1  # the newline ends the answer: a member that knows when to stop
-            spans.append((s, e))
+    spans = []
+    for j in at:
+        s, e = j + len(label), body.find("\n", j + len(label))
+        spans.append((s, len(body) if e < 0 else e + 1))  # the newline ends the answer: when to stop
+    questions = [(body.rfind("\n", 0, j) + 1, j) for j in at + [len(body) - len(label)]]
     return body, spans, questions
 
 
