@@ -91,7 +91,8 @@ def hits_of(folder: Path) -> dict[str, dict[str, dict[str, list[int]]]]:
     """{format: {task: {config: [0/1 per item]}}} over the items every configuration answered."""
     rows = {}
     for path in sorted(folder.glob("*.jsonl")):
-        rows[path.stem] = {json.loads(x)["key"]: json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()}
+        lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        rows[path.stem] = {r["key"]: r for r in lines}
     keys = sorted(set.intersection(*(set(r) for r in rows.values()))) if rows else []
     out: dict = {}
     for key in keys:
