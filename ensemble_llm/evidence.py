@@ -124,6 +124,26 @@ def answer_spans(text: str) -> list[tuple[int, int]]:
     return [(byte(s), byte(e)) for s, e in spans if body[s:e].strip()]
 
 
+def context_end(text: str) -> int:
+    """Where the context ends in a raw text that holds its answer at the end (an echoed
+    multiple-choice prompt: the context, then a choice). The candidates: the end of the line
+    before the last, where it ends in a sign (an answer on the next line), and the first sign on
+    the last line that whitespace follows ("A:" in "A: 3:45", " =>" in "italy => Rome"). The first
+    candidate where the text before it is a few-shot prompt (`_shots`: it ends with its shown
+    answers' label); else the last line's candidate; else the last line's start (0 on one line).
+    Whitespace before the answer goes with it, as lm-evaluation-harness splits."""
+    line = text.rfind("\n") + 1
+    first = next((c for c in range(max(line, 1), len(text)) if _sign(text[c - 1]) and text[c].isspace()), None)
+    before = line - 1 if line >= 2 and _sign(text[line - 2]) else None
+    shown = [c for c in (before, first) if c is not None and _shots(text[:c]) is not None]
+    cut = shown[0] if shown else first if first is not None else line
+    return len(text[:cut].rstrip())
+
+
+def _sign(ch: str) -> bool:
+    return not (ch.isalnum() or ch.isspace())
+
+
 def query_copy(text: str) -> str | None:
     """The reply that would copy the query's question in a raw few-shot prompt: the shown answers'
     leading space, the text between the line's start and the final label (less the questions'

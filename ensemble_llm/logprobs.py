@@ -6,6 +6,7 @@ Plain data: the server and the facades build their responses from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -14,21 +15,25 @@ from .scoring import Score, TokenLogprob
 
 
 def completion_logprobs(
-    score: Score, *, first: TokenLogprob | None = None, top: int = 0, offset: int = 0
+    score: Score, *, lead: Sequence[TokenLogprob] = (), top: int = 0, offset: int = 0, end_text: str = ""
 ) -> dict[str, Any]:
-    """The completions `logprobs` object of `score`'s tokens. `first`: a leading token with no
-    context (an echoed prompt's first token: log-probability null, as OpenAI and vLLM give it);
-    `offset`: the characters before the first token (the prompt's, when it is not echoed)."""
-    tokens = ([first] if first is not None else []) + list(score.tokens)
+    """The completions `logprobs` object of `score`'s tokens. `lead`: tokens before them that
+    were not scored (an echoed prompt's first token, which has no context, and the prompt before
+    its answer label: log-probability null, as OpenAI and vLLM give the first token); `offset`:
+    the characters before the first token (the prompt's, when it is not echoed); `end_text`: the
+    EOS token's text, for the end of text when it was scored (`Score.end`)."""
+    end = [] if score.end is None else [dataclasses.replace(score.end, token=end_text, top=[])]
+    tokens = list(lead) + list(score.tokens) + end
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [], "members": []}
     text = b""
     for i, t in enumerate(tokens):
-        lead = first is not None and i == 0
+        unscored = i < len(lead)
         out["tokens"].append(t.token)
-        out["token_logprobs"].append(None if lead else finite(t.logprob))
-        out["top_logprobs"].append(None if lead or not top else {tok: finite(lp) for tok, lp in t.top})
+        out["token_logprobs"].append(None if unscored else finite(t.logprob))
+        alts = {tok: finite(lp) for tok, lp in t.top} or {t.token: finite(t.logprob)}
+        out["top_logprobs"].append(None if unscored or not top else alts)
         out["text_offset"].append(offset + len(text.decode("utf-8", errors="ignore")))
-        out["members"].append(None if lead else {n: finite(v) for n, v in t.members.items()})
+        out["members"].append(None if unscored else {n: finite(v) for n, v in t.members.items()})
         text += t.bytes
     return out
 

@@ -43,6 +43,7 @@ class ByteSteps:
 
     ensemble: list[float] = field(default_factory=list)
     members: list[list[float]] = field(default_factory=list)  # [K][bytes]
+    end: tuple[float, list[float]] | None = None  # the end of text after it (ensemble, members), when asked
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Score:
     members: dict[str, float]
     tokens: list[TokenLogprob]
     greedy: bool  # every byte was the ensemble's most probable next byte
+    end: TokenLogprob | None = None  # the end of text after it, when asked (`Scoring.ends`)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,19 +84,26 @@ class Score:
 
 
 def byte_steps(
-    lms: Sequence[Any], starts: Sequence[Any], texts: Sequence[bytes], tau: float, weights: Sequence[float]
+    lms: Sequence[Any],
+    starts: Sequence[Any],
+    texts: Sequence[bytes],
+    tau: float,
+    weights: Sequence[float],
+    ends: Sequence[bool] = (),
 ) -> tuple[list[ByteSteps], list[list[bool]]]:
     """Every text's ByteSteps after the prompt (the byte LMs' `starts`), and per byte whether it
-    was the ensemble's argmax. Prefixes the texts share are computed once; each depth is one
-    `next_logprobs` per member for all its prefixes."""
+    was the ensemble's argmax; with `ends[i]`, text i's end of text too (`ByteSteps.end`).
+    Prefixes the texts share are computed once; each depth is one `next_logprobs` per member for
+    all its prefixes."""
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()
-    K = len(lms)
+    K, ending = len(lms), {t for t, e in zip(texts, ends) if e}
     frontier: dict[bytes, tuple[list[Any], np.ndarray]] = {b"": (list(starts), np.zeros(K))}
     step_of: dict[bytes, tuple[float, np.ndarray, bool]] = {}  # prefix + byte -> its step
-    for depth in range(max((len(t) for t in texts), default=0)):
-        rows = sorted({t[:depth] for t in texts if len(t) > depth})
-        need = [{t[depth] for t in texts if len(t) > depth and t[:depth] == x} for x in rows]  # bytes read after each
+    end_of: dict[bytes, tuple[float, np.ndarray]] = {}  # text -> its end-of-text step
+    for depth in range(max((len(t) + (t in ending) for t in texts), default=0)):
+        rows = sorted({t[:depth] for t in texts if len(t) > depth} | {t for t in ending if len(t) == depth})
+        need = [_read_after(texts, ending, x, depth) for x in rows]  # bytes (256: the end) read after each
         asks = [lm.next_logprobs_async([frontier[x][0][k] for x in rows], need) for k, lm in enumerate(lms)]
         logq = np.stack([a.get() for a in asks], axis=1)  # [rows, K, 257]
         following: dict[bytes, tuple[list[Any], np.ndarray]] = {}
@@ -105,6 +114,9 @@ def byte_steps(
             total = np.logaddexp.reduce(psi)
             for b in sorted(need[r]):
                 ens = float(psi[b] - total) if np.isfinite(total) else NEG_INF
+                if b == 256:
+                    end_of[x] = (ens, logq[r, :, b].copy())
+                    continue
                 step_of[x + bytes([b])] = (ens, logq[r, :, b].copy(), bool(psi[b] >= psi.max()))
                 following[x + bytes([b])] = ([lm.advance(s, b) for lm, s in zip(lms, states)], joint[:, b].copy())
         frontier = following
@@ -113,9 +125,16 @@ def byte_steps(
     out, argmax = [], []
     for t in texts:
         steps = [step_of[t[: i + 1]] for i in range(len(t))]
-        out.append(ByteSteps([s[0] for s in steps], [[float(s[1][k]) for s in steps] for k in range(K)]))
+        end = (end_of[t][0], [float(v) for v in end_of[t][1]]) if t in ending else None
+        out.append(ByteSteps([s[0] for s in steps], [[float(s[1][k]) for s in steps] for k in range(K)], end))
         argmax.append([s[2] for s in steps])
     return out, argmax
+
+
+def _read_after(texts: Sequence[bytes], ending: set[bytes], x: bytes, depth: int) -> set[int]:
+    """The bytes some text reads after its prefix x (of length depth); 256 where a text in `ending` is x."""
+    out = {t[depth] for t in texts if len(t) > depth and t[:depth] == x}
+    return out | {256} if x in ending else out
 
 
 def token_spans(member: Any, text: str, ids: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
@@ -174,7 +193,13 @@ def score_of(
         members={n: float(sum(s)) for n, s in zip(names, steps.members)},
         tokens=tokens,
         greedy=all(argmax),
+        end=None if steps.end is None else _end_token(steps.end, names),
     )
+
+
+def _end_token(end: tuple[float, list[float]], names: Sequence[str]) -> TokenLogprob:
+    """The end of text as a token with no bytes (an EOS), with the ensemble's and each member's log-probability."""
+    return TokenLogprob(token="", bytes=b"", logprob=end[0], members=dict(zip(names, end[1])))
 
 
 def _names(members: Sequence[Any]) -> list[str]:
@@ -200,6 +225,7 @@ class Scoring:
     weigh: Any = None
     token_ids: tuple[tuple[int, ...] | None, ...] | None = None
     top: int = 0
+    ends: tuple[bool, ...] = ()  # per continuation: score the end of text after it too (an EOS)
 
 
 @dataclass
@@ -251,7 +277,7 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
     # beam's sake; "lazy": its forward only where a continuation's byte needs it
     lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0, keep_fresh="lazy") for m in members]
     starts = [lm.start(ids) for lm, ids in zip(lms, prompt_ids)]
-    steps, argmax = byte_steps(lms, starts, datas + [a[3] for a in alts], tau, w)
+    steps, argmax = byte_steps(lms, starts, datas + [a[3] for a in alts], tau, w, sc.ends)
     names = _names(members)
     tops = _tops(len(datas), spans, datas, alts, steps, sc.top)
     scores = [score_of(c, steps[i], argmax[i], names, spans[i], tops[i]) for i, c in enumerate(sc.continuations)]

@@ -4,7 +4,8 @@ Endpoints: POST /v1/chat/completions (messages with tools and tool calls, `tools
 `response_format`, `stop`, `max_tokens`/`max_completion_tokens`, `temperature`, `top_p`, `seed`,
 `stream` with `stream_options.include_usage`, `logprobs`/`top_logprobs`), POST /v1/completions
 (raw prompts, as text or token ids, with `logprobs`, `echo` and `max_tokens: 0`; serve_scoring.py),
-GET /v1/models,
+GET /v1/models, GET /tokenizer_info, POST /tokenize and POST /detokenize (the main member's tokenizer,
+in vLLM's shapes; serve_tokenizer.py),
 GET /health, GET /metrics (Prometheus, with the KV budget per device). Errors are OpenAI-shaped,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad parameter (named), a prompt over
 the context window or a request whose KV cache could never fit the KV budget, 401
@@ -25,6 +26,7 @@ Needs the `serve` extra: pip install "ensemble-llm[serve]".
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -38,11 +40,12 @@ from typing import Any, AsyncIterator, Callable
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import JSONResponse, StreamingResponse
 
+from . import serve_tokenizer
 from .engine import Ensemble
 from .errors import EnsembleError, RequestCancelled, RequestError, RequestTimeout
 from .params import GenerationParams
-from .results import GenerationResult
-from .serve_scoring import Wants, completion_prompt, prompt_only, scored, wants
+from .results import GenerationResult, Usage
+from .serve_scoring import Wants, completion_prompts, prompt_only, scored, wants
 
 log = logging.getLogger("ensemble_llm.serve")
 API_KEY_ENV = "ENSEMBLE_LLM_API_KEY"
@@ -354,8 +357,13 @@ def _tool_calls(result: GenerationResult) -> list[dict]:
     ]
 
 
-def _usage(result: GenerationResult) -> dict:
-    return result.usage.to_dict()
+def _usage(results: list[GenerationResult]) -> dict:
+    """The usage of a reply, summed over its prompts."""
+    us = [r.usage for r in results]
+    total = Usage(
+        sum(u.prompt_tokens for u in us), sum(u.completion_tokens for u in us), sum(u.cached_tokens for u in us)
+    )
+    return total.to_dict()
 
 
 def _key_ok(srv: Server, request) -> bool:
@@ -457,23 +465,22 @@ def _check_model(srv: Server, name: str | None) -> None:
         )
 
 
-def _checked_request(srv: Server, raw: bytes, chat: bool) -> tuple[_Body, Any, GenerationParams, Wants]:
+def _checked_request(srv: Server, raw: bytes, chat: bool) -> tuple[_Body, list, GenerationParams, Wants]:
     """Everything a request is checked for before it may queue (run in the checks' threads)."""
     body = _parsed(raw, ChatBody if chat else CompletionBody)
     _check_counts(body, srv.limits)
     _check_model(srv, body.model)
     try:
-        ids = None
-        if chat:
-            prompt = _messages(body.messages)
-        else:
-            prompt, ids = completion_prompt(srv.engine, body.prompt)
-        want = wants(body, chat, _max_tokens(body), ids)
+        prompts = [(_messages(body.messages), None)] if chat else completion_prompts(srv.engine, body.prompt)
+        want = wants(body, chat, _max_tokens(body))
+        if len(prompts) > 1 and body.stream:
+            raise RequestError("a list of prompts is answered in one reply here; send it with stream: false")
         params = _params(body, raw=not chat, generate=want.generate)
-        srv.engine.check_request(prompt, params)
+        for prompt, _ in prompts:
+            srv.engine.check_request(prompt, params)
     except RequestError as exc:
         raise _from_engine_error(exc, "") from None
-    return body, prompt, params, want
+    return body, prompts, params, want
 
 
 async def _run(engine: Ensemble, request, prompt: Any, params: GenerationParams) -> GenerationResult:
@@ -497,26 +504,31 @@ async def _run(engine: Ensemble, request, prompt: Any, params: GenerationParams)
             task.cancel()  # the stream's cleanup tells the engine: no further forward pass
 
 
-def _reply(
-    srv: Server, result: GenerationResult, rid: str, created: int, chat: bool, logprobs: dict | None, echo: str = ""
-) -> dict:
-    """A non-streamed reply in OpenAI's shape, with the ensemble's figures (`echo`: the prompt
-    put before a completion's text)."""
-    if chat:
-        message = {"role": "assistant", "content": result.text if (result.text or not result.tool_calls) else None}
-        if result.tool_calls:
-            message["tool_calls"] = _tool_calls(result)
-        choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": logprobs}
-    else:
-        choice = {"index": 0, "text": echo + result.text, "finish_reason": result.finish_reason, "logprobs": logprobs}
+def _reply(srv: Server, answers: list[tuple], rid: str, created: int, chat: bool, echo: bool) -> dict:
+    """A non-streamed reply in OpenAI's shape, one choice per prompt (each answer: the result, its
+    logprobs and the prompt echoed before a completion's text), with the ensemble's figures."""
+    choices = []
+    for i, (result, logprobs, echoed) in enumerate(answers):
+        if chat:
+            content = result.text if (result.text or not result.tool_calls) else None
+            message = {"role": "assistant", "content": content}
+            if result.tool_calls:
+                message["tool_calls"] = _tool_calls(result)
+            choices.append(
+                {"index": i, "message": message, "finish_reason": result.finish_reason, "logprobs": logprobs}
+            )
+        else:
+            text = echoed + result.text
+            choices.append({"index": i, "text": text, "finish_reason": result.finish_reason, "logprobs": logprobs})
+    results = [a[0] for a in answers]
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": srv.model_id,
-        "choices": [choice],
-        "usage": _usage(result),
-        "ensemble": srv.ensemble_field(result),
+        "choices": choices,
+        "usage": _usage(results),
+        "ensemble": srv.ensemble_field(results[0]) if len(results) == 1 else [srv.ensemble_field(r) for r in results],
     }
 
 
@@ -527,21 +539,17 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
     request.state.rid = rid
     _check_key(srv, request)
     raw = await _body_bytes(request, srv.limits.body_bytes)
-    body, prompt, params, want = await srv.checked(lambda: _checked_request(srv, raw, chat))
+    body, prompts, params, want = await srv.checked(lambda: _checked_request(srv, raw, chat))
     slot = srv.admit()
     created = int(time.time())
     try:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = _sse(srv, prompt, params, rid, created, chat, include_usage, endpoint, slot)
+            events = _sse(srv, prompts[0][0], params, rid, created, chat, include_usage, endpoint, slot)
             return _SlotStream(events, slot)
         t0 = time.perf_counter()
         try:
-            if want.generate:
-                result = await _run(srv.engine, request, prompt, params)
-            else:
-                result = prompt_only(srv.engine, prompt)
-            logprobs = await scored(srv.engine, want, prompt, result, chat)
+            answers = await asyncio.gather(*(_answer(srv, request, p, params, want, chat) for p in prompts))
         except EnsembleError as exc:
             raise _from_engine_error(exc, rid) from None
     except BaseException:
@@ -549,9 +557,18 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
         raise
     slot.release()
     srv.seconds.labels(srv.engine.method_name).observe(time.perf_counter() - t0)
-    srv.tokens.inc(result.usage.completion_tokens)
+    srv.tokens.inc(sum(a[0].usage.completion_tokens for a in answers))
     srv.requests.labels(endpoint, "200").inc()
-    return _reply(srv, result, rid, created, chat, logprobs, prompt if want.echo else "")
+    return _reply(srv, answers, rid, created, chat, want.echo)
+
+
+async def _answer(srv: Server, request, prompt: tuple, params: GenerationParams, want: Wants, chat: bool) -> tuple:
+    """One prompt of a request: (result, logprobs, the text echoed before the reply)."""
+    text, ids = prompt
+    want = dataclasses.replace(want, ids=ids)
+    result = await _run(srv.engine, request, text, params) if want.generate else prompt_only(srv.engine, text)
+    logprobs, result = await scored(srv.engine, want, text, result, chat, tuple(params.stop))
+    return result, logprobs, text if want.echo else ""
 
 
 class _SlotStream(StreamingResponse):
@@ -610,7 +627,7 @@ async def _sse(
             yield chunk({"tool_calls": calls})
         yield chunk({} if chat else "", result.finish_reason, ensemble=srv.ensemble_field(result))
         if include_usage:
-            yield chunk(None, usage=_usage(result))
+            yield chunk(None, usage=_usage([result]))
         yield "data: [DONE]\n\n"
         srv.seconds.labels(srv.engine.method_name).observe(time.perf_counter() - t0)
         srv.tokens.inc(result.usage.completion_tokens)
@@ -733,6 +750,19 @@ def _routes(app, srv: Server) -> None:
         srv.kv_figures()
         return PlainTextResponse(generate_latest(srv.registry).decode(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        _check_key(srv, request)
+        return serve_tokenizer.tokenizer_info(srv.engine)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await _tokenizer_call(srv, request, serve_tokenizer.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await _tokenizer_call(srv, request, serve_tokenizer.detokenize)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _handle(srv, request, "/v1/chat/completions", chat=True)
@@ -740,6 +770,26 @@ def _routes(app, srv: Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _handle(srv, request, "/v1/completions", chat=False)
+
+
+async def _tokenizer_call(srv: Server, request, call: Callable[[Any, dict], dict]) -> dict:
+    """/tokenize or /detokenize: the body read and answered in the checks' threads."""
+    _check_key(srv, request)
+    raw = await _body_bytes(request, srv.limits.body_bytes)
+
+    def answer() -> dict:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the request body is not JSON") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            return call(srv.engine, data)
+        except RequestError as exc:
+            raise _from_engine_error(exc, "") from None
+
+    return await srv.checked(answer)
 
 
 def serve(

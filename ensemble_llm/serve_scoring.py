@@ -7,13 +7,18 @@ option this server cannot honour is refused with a 400 naming it, never answered
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from .defaults import MAX_NEW_TOKENS
 from .errors import RequestError
+from .evidence import context_end
 from .logprobs import chat_logprobs, completion_logprobs
 from .results import GenerationResult, Usage
-from .scoring import Scoring, TokenLogprob, check_top
+from .scoring import Scoring, TokenLogprob, check_top, token_text
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class Wants:
     top: int = 0
     echo: bool = False
     generate: bool = True  # max_tokens: 0 with echo scores the prompt alone
+    max_tokens: int = 0  # the budget, in the reporting member's tokens (echo's entries for the reply)
     ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
 
 
@@ -32,27 +38,48 @@ def reporting_member(engine: Any, raw: bool) -> Any:
     return engine.members[engine.member_weights("raw" if raw else "chat")[1]]
 
 
+MAX_PROMPTS = 64  # prompts in one completions request (a harness's batch)
+
+
+def completion_prompts(engine: Any, prompt: Any) -> list[tuple[str, tuple[int, ...] | None]]:
+    """A completions `prompt` as (text, token ids or None) per prompt: a string, a list of
+    strings, token ids of the reporting member, or a list of such lists (a batch, one choice
+    each, as lm-evaluation-harness sends them with batch_size > 1)."""
+    if isinstance(prompt, str) or _ids(prompt):
+        return [completion_prompt(engine, prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of either")
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError(f"{len(prompt)} prompts in one request; send at most {MAX_PROMPTS}")
+    return [completion_prompt(engine, p) for p in prompt]
+
+
+def _ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def completion_prompt(engine: Any, prompt: Any) -> tuple[str, tuple[int, ...] | None]:
-    """A completions prompt as text: a string, or token ids of the reporting member (one list,
-    or a list of one list), as lm-evaluation-harness sends them."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    """One completions prompt as text: a string, or token ids of the reporting member. A
+    special token may lead them (the EOS or BOS lm-evaluation-harness puts before an empty
+    context): the text is then the rest, scored from the start of a text."""
     if isinstance(prompt, str):
         return prompt, None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _ids(prompt):
         member = reporting_member(engine, raw=True)
-        vb = member.vocab_bytes
-        bad = [t for t in prompt if not 0 <= t < len(vb) or t in member.special_ids]
+        vb, special = member.vocab_bytes, member.special_ids
+        bad = [t for i, t in enumerate(prompt) if not 0 <= t < len(vb) or (t in special and i > 0)]
         if bad:
             raise RequestError(
                 f"prompt token ids {bad[:5]} are not text tokens of {member.name}, whose tokenizer this "
-                "server reads token ids with; send text, or ids of that tokenizer without special tokens."
+                "server reads token ids with (GET /tokenizer_info); send text, or ids of that tokenizer "
+                "with no special token but a leading one."
             )
+        lead = 1 if prompt[0] in special else 0
         try:
-            return b"".join(vb[t] for t in prompt).decode("utf-8"), tuple(prompt)
+            return b"".join(vb[t] for t in prompt[lead:]).decode("utf-8"), tuple(prompt)
         except UnicodeDecodeError:
             raise RequestError("prompt token ids do not spell whole UTF-8 characters; send text") from None
-    raise RequestError("prompt must be a string, one list of token ids, or a list of one of them")
+    raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of either")
 
 
 def wants(body: Any, chat: bool, max_tokens: Any, ids: tuple[int, ...] | None = None) -> Wants:
@@ -64,11 +91,12 @@ def wants(body: Any, chat: bool, max_tokens: Any, ids: tuple[int, ...] | None = 
         w = Wants(logprobs=bool(body.logprobs), top=check_top(top or 0, "top_logprobs"))
     else:
         lp = body.logprobs
-        w = Wants(logprobs=lp is not None, top=check_top(lp or 0, "logprobs"), echo=bool(body.echo), ids=ids)
+        budget = max_tokens if isinstance(max_tokens, int) else MAX_NEW_TOKENS
+        w = Wants(lp is not None, check_top(lp or 0, "logprobs"), bool(body.echo), ids=ids, max_tokens=budget)
         if max_tokens == 0:
             if not body.echo:
                 raise RequestError("max_tokens: 0 generates nothing; it needs echo: true (to score the prompt)")
-            w = Wants(w.logprobs, w.top, True, False, ids)
+            w = dataclasses.replace(w, echo=True, generate=False)
     if (w.logprobs or w.echo) and body.stream:
         raise RequestError("logprobs and echo are not streamed here; send them with stream: false")
     if w.logprobs and chat and body.tools:
@@ -84,37 +112,85 @@ def prompt_only(engine: Any, prompt: str) -> GenerationResult:
     )
 
 
-async def scored(engine: Any, w: Wants, prompt: Any, result: GenerationResult, chat: bool) -> dict | None:
-    """The choice's `logprobs` object (None when not asked for)."""
+async def scored(
+    engine: Any, w: Wants, prompt: Any, result: GenerationResult, chat: bool, stops: tuple[str, ...] = ()
+) -> tuple[dict | None, GenerationResult]:
+    """The choice's `logprobs` object (None when not asked for), and the result (with echo, its
+    text cut to the budget in the reporting member's tokens)."""
     if not w.logprobs:
-        return None
+        return None, result
     if chat:
         res = await engine.ascore(prompt, Scoring((result.text,), top=w.top), raw=False)
-        return chat_logprobs(res.scores[0], top=w.top)
+        return chat_logprobs(res.scores[0], top=w.top), result
     if not w.echo:
         res = await engine.ascore(prompt, Scoring((result.text,), top=w.top))
-        return completion_logprobs(res.scores[0], top=w.top, offset=len(prompt))
-    return await _echoed(engine, w, prompt, result.text)
+        return completion_logprobs(res.scores[0], top=w.top, offset=len(prompt)), result
+    return await _echoed(engine, w, prompt, result, stops)
 
 
-async def _echoed(engine: Any, w: Wants, prompt: str, text: str) -> dict:
-    """Prompt and reply scored as one text after the prompt's first token (which has no context:
-    null, as OpenAI gives it), with the prompt's shown answers setting the member weights."""
+async def _echoed(engine: Any, w: Wants, prompt: str, result: GenerationResult, stops: tuple[str, ...]):
+    """Prompt and reply as one text: one entry per prompt token, then one per generated token (an
+    EOS included, as OpenAI and vLLM give them). Scored from where `_scored_from` says, after a
+    context that also sets the member weights; the tokens before it are null."""
     member = reporting_member(engine, raw=True)
+    vb = member.vocab_bytes
     ids = list(w.ids) if w.ids is not None else member.encode(prompt)
     if not ids:
         raise RequestError("echo with logprobs needs a prompt with at least one token")
-    vb = member.vocab_bytes
-    head = vb[ids[0]]
-    whole = (prompt + text).encode("utf-8")
-    if not whole.startswith(head) or len(head) == 0:
-        raise RequestError("the prompt's first token does not begin its text; send the prompt as text")
+    lead = 1 if ids[0] in member.special_ids else 0
+    if b"".join(vb[t] for t in ids[lead:]) != prompt.encode("utf-8"):
+        raise RequestError(f"the prompt's tokens in {member.name} do not spell it; send it as token ids")
+    gen, result = _generated(member, w, result)
+    j = _scored_from(member, prompt, ids, lead, w.generate)
+    context = b"".join(vb[t] for t in ids[lead:j]).decode("utf-8")
+    if not context:
+        raise RequestError(
+            f"echo with logprobs scores a text after a context; this prompt has none in {member.name}'s "
+            "tokens (send at least one text token before what is scored)"
+        )
+    eos = w.generate and result.finish_reason == "stop" and not stops and len(gen) < w.max_tokens
+    rest = prompt[len(context) :] + result.text
+    weigh = prompt if j == lead + 1 else None  # scored from its start: the whole prompt weighs, as before
+    scoring = Scoring((rest,), weigh=weigh, token_ids=(tuple(ids[j:]) + tuple(gen),), top=w.top, ends=(eos,))
+    res = await engine.ascore(context, scoring)
+    unscored = [TokenLogprob(token=token_text(vb[t]), bytes=vb[t], logprob=0.0, members={}) for t in ids[:j]]
+    end = member.decode([member.eos_id], skip_special_tokens=False) if member.eos_id is not None else ""
+    return completion_logprobs(res.scores[0], lead=unscored, top=w.top, end_text=end), result
+
+
+def _generated(member: Any, w: Wants, result: GenerationResult) -> tuple[list[int], GenerationResult]:
+    """The reply's tokens in the reporting member, at most max_tokens of them, and the result with
+    its text cut to them (a reply that re-encodes into more tokens than it was allowed)."""
+    gen = member.encode(result.text) if result.text else []
+    if not w.generate or len(gen) <= w.max_tokens:
+        return gen, result
+    gen = gen[: w.max_tokens]
+    data = b"".join(member.vocab_bytes[t] for t in gen)
+    while gen and not _whole(data):
+        gen.pop()
+        data = b"".join(member.vocab_bytes[t] for t in gen)
+    return gen, dataclasses.replace(result, text=data.decode("utf-8"), finish_reason="length")
+
+
+def _whole(data: bytes) -> bool:
     try:
-        rest, head_text = whole[len(head) :].decode("utf-8"), head.decode("utf-8")
+        data.decode("utf-8")
+        return True
     except UnicodeDecodeError:
-        raise RequestError("the prompt's first token is not whole UTF-8 characters; send the prompt as text") from None
-    tokens = tuple(ids[1:]) + tuple(member.encode(text)) if text else tuple(ids[1:])
-    scoring = Scoring((rest,), weigh=prompt, token_ids=(tokens,), top=w.top)
-    res = await engine.ascore(head_text, scoring)
-    first = TokenLogprob(token=head_text, bytes=head, logprob=0.0, members={})
-    return completion_logprobs(res.scores[0], first=first, top=w.top)
+        return False
+
+
+def _scored_from(member: Any, prompt: str, ids: list[int], lead: int, generate: bool) -> int:
+    """The first prompt token scored. A request that generates (lm-evaluation-harness's
+    log-likelihoods: the context, then a choice) is scored from its context's end
+    (`evidence.context_end`), so that its figures and its member weights are the context's, the
+    same for every choice; one whose prompt begins with a special token (the harness's rolling
+    windows and empty contexts), and one that only scores its prompt (max_tokens: 0), from their
+    first text token. Never the first token: it has no context."""
+    if lead or not generate:
+        return 1
+    cut = len(prompt[: context_end(prompt)].encode("utf-8"))
+    j = bisect.bisect_right(list(itertools.accumulate(len(member.vocab_bytes[t]) for t in ids)), cut)
+    while j > 1 and not _whole(b"".join(member.vocab_bytes[t] for t in ids[:j])):
+        j -= 1
+    return max(j, 1)

@@ -17,6 +17,7 @@ from ensemble_llm.evidence import (
     FLOOR,
     answer_spans,
     chat_spans,
+    context_end,
     exam_aside,
     posterior,
     query_copy,
@@ -568,3 +569,24 @@ def test_the_exam_reads_the_same_last_answers_for_every_member_within_the_row_bo
     b = [[0], [1], [2]]
     assert _examined([a, b]) == [[long_turn], [[2]]]  # the same answers for both: the last one
     assert _examined([[[0], list(range(MAX_POSITIONS + 1))], b[:2]]) == [[], []]  # too long: none
+
+
+@pytest.mark.parametrize(
+    "context, answer",
+    [
+        ("Q: a\nA: x\n\nQ: b\nA: y\n\nQ: c\nA:", " Paris"),
+        ("Q: what?\nA:", " 3:45"),
+        ("france => Paris\nspain => Madrid\nitaly =>", " Rome, Italy"),
+        ("Question: a\nAnswer:\nx, y\n\nQuestion: b\nAnswer:", "\ny, z"),
+        ("Question: X\nAnswer:", "\nParis"),
+        ("Q: 1. a\nA:", " 1. B, C"),
+        ("Q: a\nA: 3:45\nQ: b\nA:", " 4:00"),
+        ("Roof shingle removal:", " A man is on a roof. He starts"),
+        ("", "The capital of France is Paris"),
+        ("intro", "\nThe capital is Paris"),
+    ],
+)
+def test_context_end_splits_an_echoed_choice_from_its_context(context, answer):
+    """Where an echoed multiple-choice text's context ends: its shown answers' label in any line
+    format, the first label on a zero-shot last line, the whitespace going with the answer."""
+    assert context_end(context + answer) == len(context)

@@ -92,6 +92,7 @@ FLOORS = {
         "__main__",
         "serve",
         "serve_scoring",
+        "serve_tokenizer",
         "client",
         "cli",
         "bench",

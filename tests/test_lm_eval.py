@@ -1,11 +1,12 @@
-"""The field's own harness against a real `ensemble-llm serve`: lm-evaluation-harness's
-`local-completions` model, on task files built here (no hub), runs a multiple-choice task
-(log-likelihoods: token-id prompts, `echo`, `logprobs`) and a generative one, and its figures equal
-the ones computed here with the engine directly on the same members."""
+"""The field's own harness against a real `ensemble-llm serve`, as the docs run it: lm-evaluation-
+harness's `local-completions` model with `tokenizer_backend=remote` (no tokenizer folder: the
+server's /tokenizer_info, /tokenize and /detokenize), batches of prompts, on task files built here
+(no hub). A few-shot multiple-choice task (log-likelihoods: token-id prompts, `echo`, `logprobs`)
+equals `Ensemble.score(context, choices)` run here on the same members, and a generative task
+equals the engine's own replies."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -15,7 +16,6 @@ lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("fastapi")
 
 from ensemble_llm import Ensemble  # noqa: E402
-from ensemble_llm.scoring import Scoring  # noqa: E402
 
 METHOD = "specfuse"
 MC = [
@@ -24,7 +24,9 @@ MC = [
     {"question": "What colour is the sky?", "choices": ["green", "red", "blue"], "label": 2},
 ]
 GEN = [{"question": "What is 2 + 2?", "answer": "4"}, {"question": "Say yes.", "answer": "yes"}]
+SHOTS = "Q: What is the capital of Spain?\\nA: Madrid\\n\\nQ: How many legs has a bird?\\nA: two\\n\\n"
 MC_YAML = """task: tiny_mc
+description: "{shots}"
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -62,7 +64,7 @@ def tasks(tmp_path_factory):
     for name, rows, yaml in (("mc", MC, MC_YAML), ("gen", GEN, GEN_YAML)):
         data = root / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (root / f"{name}.yaml").write_text(yaml.format(data=data))
+        (root / f"{name}.yaml").write_text(yaml.format(data=data, shots=SHOTS))
     return str(root)
 
 
@@ -79,23 +81,15 @@ def harness(tiny_dirs, tasks, direct, tmp_path_factory, monkeypatch_module):
 
     monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch_module.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
-    main = direct.member_weights("raw")[1]  # token-id prompts are read in this member's tokenizer
-    tokenizer = (tiny_dirs["smol"], tiny_dirs["gemma"])[main]
     proc, base = start_server([tiny_dirs["smol"], tiny_dirs["gemma"]], METHOD)
     try:
-        args = {
-            "model": "ensemble",
-            "base_url": base + "/v1/completions",
-            "tokenizer_backend": "huggingface",
-            "tokenizer": tokenizer,
-            "tokenized_requests": True,
-        }
+        args = {"model": "ensemble", "base_url": base + "/v1/completions", "tokenizer_backend": "remote"}
         yield lm_eval.simple_evaluate(
             model="local-completions",
             model_args=args,
             tasks=["tiny_mc", "tiny_gen"],
             task_manager=TaskManager(include_path=tasks),
-            batch_size=1,
+            batch_size=4,
             log_samples=True,
         )
     finally:
@@ -110,27 +104,16 @@ def monkeypatch_module():
     mp.undo()
 
 
-def loglikelihood(engine, context: str, continuation: str) -> float:
-    """What the harness asks for, computed here: the prompt and continuation as the main member's
-    token ids (the harness's own split), scored after the first token, the context's tokens left out."""
-    member = engine.members[engine.member_weights("raw")[1]]
-    ctx = member.encode(context)
-    ids = member.encode(context + continuation)
-    head = member.vocab_bytes[ids[0]].decode()
-    text = context + continuation
-    res = asyncio.run(engine.ascore(head, Scoring((text[len(head) :],), weigh=text, token_ids=(tuple(ids[1:]),))))
-    return sum(t.logprob for t in res.scores[0].tokens[len(ctx) - 1 :])
-
-
-def test_multiple_choice_through_the_harness_equals_the_direct_figures(harness, direct):
+def test_few_shot_multiple_choice_through_the_harness_equals_ensemble_score(harness, direct):
     samples = harness["samples"]["tiny_mc"]
     assert len(samples) == len(MC)
     right = 0
     for s in samples:
-        doc = s["doc"]
-        context = f"Q: {doc['question']}\nA:"
+        doc, pairs = s["doc"], s["arguments"]  # the harness's own (context, continuation) per choice
+        (context,) = {ctx for ctx, _ in pairs}
+        assert context.startswith(SHOTS.replace("\\n", "\n")) and context.endswith(f"Q: {doc['question']}\nA:")
         lls = [ll for ((ll, _),) in s["resps"]]
-        want = [loglikelihood(direct, context, " " + c) for c in doc["choices"]]
+        want = [w.logprob for w in direct.score(context, [cont for _, cont in pairs])]
         assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(lls, want)), (lls, want)
         right += max(range(len(want)), key=want.__getitem__) == doc["label"]
     assert math.isclose(harness["results"]["tiny_mc"]["acc,none"], right / len(MC))

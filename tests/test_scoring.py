@@ -50,6 +50,22 @@ def test_byte_steps_follow_the_definition(tau):
     assert alone[0].ensemble == steps[3].ensemble
 
 
+@pytest.mark.parametrize("tau", TAUS.values(), ids=TAUS.keys())
+def test_the_end_of_text_follows_the_definition(tau):
+    """`ends`: the end of text after a text (an EOS entry), the 257th slot of the same mean."""
+    lms = [TableLM(s, L=6) for s in (1, 2, 3)]
+    w = np.array([0.2, 0.3, 0.5])
+    texts = [b"ab", b"abba", b"", b"b"]
+    steps, _ = byte_steps(lms, [b""] * 3, texts, tau, w, ends=(True, True, True, False))
+    for x, st in zip(texts[:3], steps):
+        prefix = np.array([sum(lm.logq(x[:j])[x[j]] for j in range(len(x))) for lm in lms])
+        logq = np.stack([lm.logq(x) for lm in lms])
+        psi = f_ensemble(prefix[:, None] + logq, tau, w / w.sum(), axis=0)
+        assert abs(st.end[0] - (psi[EOS] - np.logaddexp.reduce(psi))) < 1e-12
+        assert np.allclose(st.end[1], logq[:, EOS], atol=1e-12)
+    assert steps[3].end is None and steps[1].ensemble == byte_steps(lms, [b""] * 3, [b"abba"], tau, w)[0][0].ensemble
+
+
 def test_one_member_scores_its_own_probability():
     """The ratios telescope: with one member the ensemble's figure is that member's P(x)."""
     lm = TableLM(7, L=6)
@@ -117,6 +133,10 @@ def test_tiny_pair_against_every_tokenization(tiny_members, tau):
         assert abs(s.ensemble[i] - (psi[x[i]] - np.logaddexp.reduce(psi))) < 1e-6
         prefix = np.logaddexp.reduce(joint, axis=1)  # P_k(x[:i]) = sum over the next slot
         assert np.allclose([s.members[k][i] for k in range(2)], joint[:, x[i]] - prefix, atol=1e-6)
+    (e,), _ = byte_steps(lms, [lm.start(p) for lm, p in zip(lms, prompts)], [x], tau, w, ends=(True,))
+    joint = np.stack([brute_next_bytes(m, p, x) for m, p in zip(members, prompts)])  # the EOS after all of x
+    psi = f_ensemble(joint, tau, w, axis=0)
+    assert abs(e.end[0] - (psi[EOS] - np.logaddexp.reduce(psi))) < 1e-6
 
 
 # ---- Ensemble.score end to end ----------------------------------------------------------------

@@ -80,7 +80,7 @@ def _echo(client, prompt, max_tokens: int, logprobs: int = 1):
     ).choices[0]
 
 
-def test_echo_scores_a_token_id_prompt_as_lm_eval_asks(client, direct):
+def test_echo_with_max_tokens_0_scores_the_whole_prompt(client, direct):
     main = direct.members[direct.member_weights("raw")[1]]
     ids = main.encode(PROMPT)
     choice = _echo(client, [ids], 0)
@@ -93,10 +93,74 @@ def test_echo_scores_a_token_id_prompt_as_lm_eval_asks(client, direct):
     )
     (want,) = res.scores
     assert all(close(a, t.logprob) for a, t in zip(lp.token_logprobs[1:], want.tokens))
-    # lm-evaluation-harness's form: max_tokens 1, one entry per prompt token and the generated one
-    more = _echo(client, [ids], 1).logprobs
-    assert len(more.token_logprobs) >= len(ids) + 1
-    assert all(close(a, b) for a, b in zip(more.token_logprobs[1 : len(ids)], lp.token_logprobs[1:]))
+
+
+@pytest.mark.parametrize("choice", [" Rome", " Milan, Italy"])
+def test_echo_in_lm_evals_form_is_the_choice_scored_after_its_context(client, direct, choice):
+    """max_tokens 1, as lm-evaluation-harness sends it: one entry per prompt token, then exactly
+    one for the generated token (the harness drops it); the choice's entries add up to
+    `Ensemble.score(context, [choice])`, the prompt's before them are null."""
+    main = direct.members[direct.member_weights("raw")[1]]
+    ids, ctx = main.encode(PROMPT + choice), len(main.encode(PROMPT))
+    assert ids[:ctx] == main.encode(PROMPT)  # the harness's split: context tokens, then the choice's
+    got = _echo(client, [ids], 1)
+    lp = got.logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and got.text.startswith(PROMPT + choice)
+    assert all(x is None for x in lp.token_logprobs[:ctx]) and None not in lp.token_logprobs[ctx:]
+    (want,) = direct.score(PROMPT, [choice])
+    assert math.isclose(sum(lp.token_logprobs[ctx:-1]), want.logprob, abs_tol=1e-5)
+    members = lp.model_extra["members"][ctx:-1]
+    for name, value in want.members.items():
+        assert math.isclose(sum(m[name] for m in members), value, abs_tol=1e-5)
+
+
+def test_a_list_of_prompts_gets_one_choice_each_in_order(server, client, direct):
+    main = direct.members[direct.member_weights("raw")[1]]
+    prompts = [main.encode(PROMPT + c) for c in (" Rome", " Milan", " Turin, Italy")]
+    alone = [_echo(client, [p], 1).logprobs.token_logprobs for p in prompts]
+    res = client.completions.create(model="ensemble", prompt=prompts, echo=True, max_tokens=1, logprobs=1)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    for c, want in zip(res.choices, alone):  # batched with each other: the same up to float rounding
+        got = c.logprobs.token_logprobs[:-1]
+        assert [x is None for x in got] == [x is None for x in want[:-1]]
+        assert all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(got, want) if a is not None)
+    texts = client.completions.create(model="ensemble", prompt=["Hi", "Q: 1?\nA:"], max_tokens=2, temperature=0)
+    assert len(texts.choices) == 2 and texts.usage.completion_tokens >= 2
+
+
+def test_a_reply_that_re_encodes_longer_is_cut_to_the_budget(direct):
+    from ensemble_llm.results import GenerationResult, Usage
+    from ensemble_llm.serve_scoring import Wants, _generated
+
+    main = direct.members[direct.member_weights("raw")[1]]
+    text = " Milan, Italy"
+    assert len(main.encode(text)) > 1
+    result = GenerationResult(text=text, finish_reason="length", usage=Usage(3, 1))
+    gen, cut = _generated(main, Wants(logprobs=True, echo=True, max_tokens=1), result)
+    assert gen == main.encode(text)[:1] and cut.text == main.decode(gen) and cut.finish_reason == "length"
+    same, kept = _generated(main, Wants(logprobs=True, echo=True, max_tokens=5), result)
+    assert same == main.encode(text) and kept is result
+
+
+def test_an_eos_reply_gets_its_own_entry(direct):
+    """A reply that ends on EOS before its budget: one entry for the EOS, the ensemble's
+    probability of the end of text there."""
+    from ensemble_llm.results import GenerationResult, Usage
+    from ensemble_llm.serve_scoring import Wants, _echoed
+
+    main = direct.members[direct.member_weights("raw")[1]]
+    ids = main.encode(PROMPT + " Rome")
+    want = Wants(logprobs=True, top=1, echo=True, ids=tuple(ids), max_tokens=1)
+    result = GenerationResult(text="", finish_reason="stop", usage=Usage(len(ids), 1))
+    lp, _ = asyncio.run(_echoed(direct, want, PROMPT + " Rome", result, ()))
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["tokens"][-1] == main.decode([main.eos_id], skip_special_tokens=False)
+    end = lp["token_logprobs"][-1]
+    assert -50 < end < 0 and lp["top_logprobs"][-1] == {lp["tokens"][-1]: end}
+    res = asyncio.run(direct.ascore(PROMPT, Scoring((" Rome",), ends=(True,))))
+    assert math.isclose(res.scores[0].end.logprob, end, abs_tol=1e-6)
+    stopped, _ = asyncio.run(_echoed(direct, want, PROMPT + " Rome", result, ("\n",)))
+    assert len(stopped["token_logprobs"]) == len(ids)  # a stop string ended it: no EOS written
 
 
 @pytest.mark.parametrize(
@@ -123,3 +187,25 @@ def test_chat_options_it_cannot_honour_are_refused(server, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     res = client.chat.completions.create(model="ensemble", messages=msgs, max_tokens=2)  # still serving
     assert res.choices[0].logprobs is None
+
+
+def test_tokenizer_endpoints_speak_the_main_members_tokenizer(server, direct):
+    """vLLM's /tokenizer_info, /tokenize and /detokenize, as lm-evaluation-harness's remote
+    tokenizer reads them: the ids of the member that reads token-id prompts, special tokens in
+    the text read as themselves."""
+    main = direct.members[direct.member_weights("raw")[1]]
+    info = httpx.get(server + "/tokenizer_info", timeout=60).json()
+    eos = main.decode([main.eos_id], skip_special_tokens=False)
+    assert info["eos_token"] == eos and info["model_max_length"] == main.context_window
+    text = "Q: Où est Paris?\nA:"
+    got = httpx.post(server + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()
+    assert got["tokens"] == main.encode(text) and got["count"] == len(got["tokens"])
+    both = httpx.post(server + "/tokenize", json={"prompt": eos + text, "add_special_tokens": False}, timeout=60)
+    assert both.json()["tokens"] == [main.eos_id] + main.encode(text)
+    with_bos = httpx.post(server + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+    assert with_bos == main.prompt_ids(text)
+    back = httpx.post(server + "/detokenize", json={"tokens": got["tokens"]}, timeout=60).json()
+    assert back == {"prompt": text}
+    for path, body in (("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": [10**9]}), ("/tokenize", [])):
+        r = httpx.post(server + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
