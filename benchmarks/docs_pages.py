@@ -202,6 +202,18 @@ STUDIES = {
             "formats/shipped/tune/report.md",
         ],
     ),
+    "lm_eval_cost": (
+        "lm-evaluation-harness against serve: cost and agreement",
+        "lm-eval's `local-completions` model with `tokenizer_backend=remote` against a real "
+        "`ensemble-llm serve` (`benchmarks/lm_eval_cost.py`): MMLU's outside half (`mc_accuracy.py`'s "
+        "split and 0-shot prompt), each configuration in a fresh process, one llama.cpp process at a "
+        "time. The members alone are llama-cpp-python on the same GGUFs, scoring what the harness asks "
+        "(the context once, each choice's tokens on its KV); their times summed are what the pair is "
+        "compared with. SmolLM2 alone through the server checks that the server ranks choices as "
+        "llama.cpp does. Through the server every choice is scored byte by byte "
+        "([scoring](../scoring.md)), each byte step at most one llama.cpp decode per member.",
+        ["lm_eval_cost/report.md"],
+    ),
 }
 
 

@@ -31,7 +31,9 @@ from .errors import ContextLengthError, RequestError
 from .members.protocol import BYTE_LM
 from .methods.base import check_capabilities
 from .methods.smc import f_ensemble
+from .scores import Score, ScoreResult, TokenLogprob, token_spans, token_text
 from .streams import async_channel, sync_channel
+from .token_scoring import run_token_score
 
 NEG_INF = float("-inf")
 
@@ -44,43 +46,6 @@ class ByteSteps:
     ensemble: list[float] = field(default_factory=list)
     members: list[list[float]] = field(default_factory=list)  # [K][bytes]
     end: tuple[float, list[float]] | None = None  # the end of text after it (ensemble, members), when asked
-
-
-@dataclass
-class TokenLogprob:
-    """One token of the main member's tokenization of the continuation: its text and bytes, the
-    ensemble's log-probability of those bytes, each member's, and the best other tokens."""
-
-    token: str
-    bytes: bytes
-    logprob: float
-    members: dict[str, float]
-    top: list[tuple[str, float]] = field(default_factory=list)
-
-
-@dataclass
-class Score:
-    """One continuation's log-likelihood after the prompt: the ensemble's, each member's own
-    (byte-level, marginalised over its tokenizations), and per token of the main member."""
-
-    text: str
-    logprob: float
-    members: dict[str, float]
-    tokens: list[TokenLogprob]
-    greedy: bool  # every byte was the ensemble's most probable next byte
-    end: TokenLogprob | None = None  # the end of text after it, when asked (`Scoring.ends`)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "text": self.text,
-            "logprob": self.logprob,
-            "members": self.members,
-            "greedy": self.greedy,
-            "tokens": [
-                {"token": t.token, "bytes": list(t.bytes), "logprob": t.logprob, "members": t.members, "top": t.top}
-                for t in self.tokens
-            ],
-        }
 
 
 def byte_steps(
@@ -135,35 +100,6 @@ def _read_after(texts: Sequence[bytes], ending: set[bytes], x: bytes, depth: int
     """The bytes some text reads after its prefix x (of length depth); 256 where a text in `ending` is x."""
     out = {t[depth] for t in texts if len(t) > depth and t[:depth] == x}
     return out | {256} if x in ending else out
-
-
-def token_spans(member: Any, text: str, ids: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
-    """(token id, first byte, end byte) of each token of `text` in its UTF-8 bytes: `ids` (the
-    member's tokens for it, checked to spell it) or the member's canonical tokenization."""
-    if ids is None:
-        ids, ends = member.encode_with_offsets(text)
-    else:
-        vb, ends, pos = member.vocab_bytes, [], 0
-        for t in ids:
-            if not 0 <= int(t) < len(vb):
-                raise RequestError(f"token id {t} is outside {member.name}'s vocabulary (0..{len(vb) - 1})")
-            pos += len(vb[int(t)])
-            ends.append(pos)
-        if b"".join(vb[int(t)] for t in ids) != text.encode("utf-8"):
-            raise RequestError(f"the token ids do not spell the text in {member.name}'s vocabulary")
-    out, start = [], 0
-    for tok, end in zip(ids, ends):
-        out.append((int(tok), start, end))
-        start = end
-    return out
-
-
-def token_text(data: bytes) -> str:
-    """A token's bytes as text; bytes that are not whole UTF-8 characters as 'bytes:\\xNN' (vLLM's form)."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def score_of(
@@ -228,14 +164,6 @@ class Scoring:
     ends: tuple[bool, ...] = ()  # per continuation: score the end of text after it too (an EOS)
 
 
-@dataclass
-class ScoreResult:
-    """What a scoring request returns through the worker: the scores and the request's figures."""
-
-    scores: list[Score]
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
 def check_top(k: Any, name: str = "top") -> int:
     """Alternatives per token: an integer from 0 to MAX_TOP (`name`: the option as the caller spells it)."""
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP:
@@ -266,6 +194,8 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
     prior, main = engine.member_weights("raw" if job.params.raw else "chat")
     texts, prompt_ids = _prompts(engine, job)
     _check_window(members, prompt_ids, sc.continuations)
+    if len(members) == 1:  # nothing to reconcile: the member's own token log-probabilities
+        return run_token_score(engine, job, prompt_ids[0], _names(members))
     tau, w, notes = _combination(engine, job, prior, main, texts, prompt_ids)
     spans = [
         token_spans(members[main], c, None if sc.token_ids is None else sc.token_ids[i])

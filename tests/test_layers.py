@@ -84,6 +84,8 @@ FLOORS = {
         "methods.side",
         "pipeline",
         "scoring",
+        "token_scoring",
+        "scores",
         "logprobs",
     },
     4: {"engine"},

@@ -16,7 +16,7 @@ from test_smc import TableLM
 from ensemble_llm import Ensemble, RequestError
 from ensemble_llm.members.bytelm import EOS, ByteLM, byte_trie
 from ensemble_llm.methods.smc import f_ensemble
-from ensemble_llm.scoring import byte_steps, token_spans
+from ensemble_llm.scoring import Scoring, byte_steps, token_spans
 
 TAUS = {"product": 0.0, "mixture": 1.0, "min": -math.inf, "power2": 2.0}
 
@@ -159,12 +159,35 @@ def test_score_end_to_end(pair, tiny_dirs):
             assert math.isclose(lp, sum(t.members[name] for t in s.tokens), abs_tol=1e-9)
         assert s.logprob < 0 and all(v < 0 for v in s.members.values())
     # each member's figure is what that member alone gives the same text
-    for k, key in enumerate(("smol", "gemma")):
-        with Ensemble([tiny_dirs[key]], method="single") as one:
-            alone = one.score(prompt, conts)
-        for s, a in zip(got, alone):
-            assert abs(a.logprob - s.members[names[k]]) < 1e-4
-            assert abs(a.logprob - a.members[names[k]]) < 1e-9  # one member: its own figure
+
+
+@pytest.mark.parametrize("key", ["smol", "gemma"])
+def test_one_member_scores_its_own_tokens(tiny_dirs, key):
+    """A one-member engine scores as the member alone does (token_scoring.py): each token's
+    log-probability from a full forward of prompt and continuation, its top alternatives that
+    row's best tokens, greedy exactly where every token is the row's argmax, the end of text its
+    EOS ids' probability after the last token."""
+    prompt, conts = "The capital of France is", [" Paris", " Par", " Lyon", ""]
+    with Ensemble([tiny_dirs[key]], method="single") as one:
+        m = one.members[0]
+        got = one.score(prompt, conts, top=3)
+        ends = asyncio.run(one.ascore(prompt, Scoring(tuple(conts), ends=(True,) * len(conts)))).scores
+        fast = one.score(prompt, conts)  # no alternatives: every continuation in one forward
+        ids = m.prompt_ids(prompt)
+        for c, s, e, f in zip(conts, got, ends, fast):
+            cont = m.encode(c)
+            lp = torch.log_softmax(m.forward_batch([ids + cont])[0].double(), -1)[len(ids) - 1 :]
+            want = [float(lp[j, t]) for j, t in enumerate(cont)]
+            assert [t.logprob for t in s.tokens] == pytest.approx(want, abs=1e-5)
+            assert [t.logprob for t in f.tokens] == pytest.approx(want, abs=1e-5)
+            assert s.logprob == pytest.approx(sum(want), abs=1e-5) and s.members == {m.name: s.logprob}
+            for j, t in enumerate(s.tokens):
+                best = torch.topk(lp[j], 3).indices.tolist()
+                assert [a for a, _ in t.top[:3]] == [m.vocab_bytes[b].decode(errors="replace") for b in best]
+                assert [v for _, v in t.top[:3]] == pytest.approx([float(lp[j, b]) for b in best], abs=1e-5)
+            assert s.greedy == all(int(torch.argmax(lp[j])) == t for j, t in enumerate(cont))
+            eos = float(torch.logsumexp(lp[len(cont), sorted(m.eos_ids)], 0))
+            assert e.end.logprob == pytest.approx(eos, abs=1e-5)
 
 
 def test_bad_continuations_leave_the_engine_usable(pair):
