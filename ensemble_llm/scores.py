@@ -35,6 +35,7 @@ class Score:
     greedy: bool | None  # every byte was the ensemble's most probable next byte (one member: every token
     # was its argmax; None where only the tokens' own log-probabilities were computed)
     end: TokenLogprob | None = None  # the end of text after it, when asked (`Scoring.ends`)
+    next: TokenLogprob | None = None  # one member's most probable token after it (`Scoring.greedy_next`)
 
     def to_dict(self) -> dict[str, Any]:
         return {

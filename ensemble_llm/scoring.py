@@ -162,6 +162,7 @@ class Scoring:
     token_ids: tuple[tuple[int, ...] | None, ...] | None = None
     top: int = 0
     ends: tuple[bool, ...] = ()  # per continuation: score the end of text after it too (an EOS)
+    greedy_next: bool = False  # one member: its most probable token after each continuation too
 
 
 def check_top(k: Any, name: str = "top") -> int:
@@ -194,6 +195,8 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
     prior, main = engine.member_weights("raw" if job.params.raw else "chat")
     texts, prompt_ids = _prompts(engine, job)
     _check_window(members, prompt_ids, sc.continuations)
+    if sc.greedy_next and len(members) > 1:
+        raise RequestError("greedy_next reads one member's next token; an ensemble's next token is its method's")
     if len(members) == 1:  # nothing to reconcile: the member's own token log-probabilities
         return run_token_score(engine, job, prompt_ids[0], _names(members))
     tau, w, notes = _combination(engine, job, prior, main, texts, prompt_ids)

@@ -45,7 +45,7 @@ from .engine import Ensemble
 from .errors import EnsembleError, RequestCancelled, RequestError, RequestTimeout
 from .params import GenerationParams
 from .results import GenerationResult, Usage
-from .serve_scoring import Wants, completion_prompts, prompt_only, scored, wants
+from .serve_scoring import Wants, completion_prompts, prompt_only, reply_in_scoring, scored, wants
 
 log = logging.getLogger("ensemble_llm.serve")
 API_KEY_ENV = "ENSEMBLE_LLM_API_KEY"
@@ -566,7 +566,10 @@ async def _answer(srv: Server, request, prompt: tuple, params: GenerationParams,
     """One prompt of a request: (result, logprobs, the text echoed before the reply)."""
     text, ids = prompt
     want = dataclasses.replace(want, ids=ids)
-    result = await _run(srv.engine, request, text, params) if want.generate else prompt_only(srv.engine, text)
+    if reply_in_scoring(srv.engine, want, params):
+        result = None
+    else:
+        result = await _run(srv.engine, request, text, params) if want.generate else prompt_only(srv.engine, text)
     logprobs, result = await scored(srv.engine, want, text, result, chat, tuple(params.stop))
     return result, logprobs, text if want.echo else ""
 

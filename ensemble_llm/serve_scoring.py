@@ -128,10 +128,20 @@ async def scored(
     return await _echoed(engine, w, prompt, result, stops)
 
 
-async def _echoed(engine: Any, w: Wants, prompt: str, result: GenerationResult, stops: tuple[str, ...]):
+def reply_in_scoring(engine: Any, w: Wants, params: Any) -> bool:
+    """Whether an echoed request's reply is read off its scoring rather than generated apart: one
+    member, greedy, one token, no stop strings (lm-evaluation-harness's log-likelihood request).
+    The reply is then the member's most probable next token, what `single` writes, without
+    prefilling the prompt a second time."""
+    one = len(engine.members) == 1 and params.temperature == 0 and not params.stop
+    return one and w.echo and w.logprobs and w.generate and w.max_tokens == 1
+
+
+async def _echoed(engine: Any, w: Wants, prompt: str, result: GenerationResult | None, stops: tuple[str, ...]):
     """Prompt and reply as one text: one entry per prompt token, then one per generated token (an
     EOS included, as OpenAI and vLLM give them). Scored from where `_scored_from` says, after a
-    context that also sets the member weights; the tokens before it are null."""
+    context that also sets the member weights; the tokens before it are null. `result` None: the
+    reply is read off the scoring (`reply_in_scoring`)."""
     member = reporting_member(engine, raw=True)
     vb = member.vocab_bytes
     ids = list(w.ids) if w.ids is not None else member.encode(prompt)
@@ -140,7 +150,8 @@ async def _echoed(engine: Any, w: Wants, prompt: str, result: GenerationResult, 
     lead = 1 if ids[0] in member.special_ids else 0
     if b"".join(vb[t] for t in ids[lead:]) != prompt.encode("utf-8"):
         raise RequestError(f"the prompt's tokens in {member.name} do not spell it; send it as token ids")
-    gen, result = _generated(member, w, result)
+    read = result is None
+    gen, result = ([], GenerationResult("", "length", Usage(len(ids), 0))) if read else _generated(member, w, result)
     j = _scored_from(member, prompt, ids, lead, w.generate)
     context = b"".join(vb[t] for t in ids[lead:j]).decode("utf-8")
     if not context:
@@ -152,10 +163,24 @@ async def _echoed(engine: Any, w: Wants, prompt: str, result: GenerationResult, 
     rest = prompt[len(context) :] + result.text
     weigh = prompt if j == lead + 1 else None  # scored from its start: the whole prompt weighs, as before
     scoring = Scoring((rest,), weigh=weigh, token_ids=(tuple(ids[j:]) + tuple(gen),), top=w.top, ends=(eos,))
-    res = await engine.ascore(context, scoring)
+    res = await engine.ascore(context, dataclasses.replace(scoring, greedy_next=read))
+    if read:
+        res.scores[0], result = _read_reply(res.scores[0], len(ids), engine)
     unscored = [TokenLogprob(token=token_text(vb[t]), bytes=vb[t], logprob=0.0, members={}) for t in ids[:j]]
     end = member.decode([member.eos_id], skip_special_tokens=False) if member.eos_id is not None else ""
     return completion_logprobs(res.scores[0], lead=unscored, top=w.top, end_text=end), result
+
+
+def _read_reply(score: Any, prompt_tokens: int, engine: Any) -> tuple[Any, GenerationResult]:
+    """The score with the read reply token as its last entry (a special token: as the end of
+    text), and the result that reply makes."""
+    nxt = score.next
+    usage = Usage(prompt_tokens, 1)
+    info = {"method": engine.method_name, "models": engine.model_names}
+    if not nxt.bytes:  # EOS: the reply ends before any text
+        return dataclasses.replace(score, end=nxt), GenerationResult("", "stop", usage, **info)
+    text = nxt.bytes.decode("utf-8", errors="replace")  # half a character shows as U+FFFD, as vLLM does
+    return dataclasses.replace(score, tokens=[*score.tokens, nxt]), GenerationResult(text, "length", usage, **info)
 
 
 def _generated(member: Any, w: Wants, result: GenerationResult) -> tuple[list[int], GenerationResult]:

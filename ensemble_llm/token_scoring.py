@@ -25,7 +25,7 @@ def run_token_score(engine: Any, job: Any, prompt_ids: list[int], names: Sequenc
     ]
     state = member.prefill(prompt_ids)
     ends = sc.ends or (False,) * len(spans)
-    rows = _rows(member, state, spans) if sc.top > 0 or any(ends) else None
+    rows = _rows(member, state, spans) if sc.top > 0 or any(ends) or sc.greedy_next else None
     values = [[float(r[t]) for r, (t, _, _) in zip(rs, sp)] for rs, sp in zip(rows, spans)] if rows else None
     values = values or _values(member, state, spans)
     scores = []
@@ -38,7 +38,8 @@ def run_token_score(engine: Any, job: Any, prompt_ids: list[int], names: Sequenc
         end = _end(member, rows[i][len(sp)], names[0]) if ends[i] else None
         greedy = None if rows is None else all(int(torch.argmax(rows[i][j])) == t for j, (t, _, _) in enumerate(sp))
         total = float(sum(values[i]))
-        scores.append(Score(c, total, {names[0]: total}, tokens, greedy, end))
+        after = _next(member, rows[i][len(sp)], sc.top, names[0]) if sc.greedy_next else None
+        scores.append(Score(c, total, {names[0]: total}, tokens, greedy, end, after))
     return ScoreResult(scores, {"weights": [1.0], "level": "tokens", "tokens_of": member.name})
 
 
@@ -70,6 +71,15 @@ def _alternatives(member: Any, row: torch.Tensor, tid: int, data: bytes, lp: flo
     best = torch.topk(row, k).indices.tolist()
     alts = [(token_text(member.vocab_bytes[t]) or member.decode([t], False), float(row[t])) for t in best]
     return alts if tid in best else alts + [(token_text(data), lp)]
+
+
+def _next(member: Any, row: torch.Tensor, top: int, name: str) -> TokenLogprob:
+    """The member's most probable token after a continuation (a special token: its text, no bytes)."""
+    t = int(torch.argmax(row))
+    data = b"" if t in member.special_ids else member.vocab_bytes[t]
+    text = token_text(data) if data else member.decode([t], skip_special_tokens=False)
+    alts = _alternatives(member, row, t, data, float(row[t]), top) if top else []
+    return TokenLogprob(text, data, float(row[t]), {name: float(row[t])}, alts)
 
 
 def _end(member: Any, row: torch.Tensor, name: str) -> TokenLogprob:

@@ -209,3 +209,29 @@ def test_tokenizer_endpoints_speak_the_main_members_tokenizer(server, direct):
     for path, body in (("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": [10**9]}), ("/tokenize", [])):
         r = httpx.post(server + path, json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def test_one_member_reads_its_reply_off_the_scoring(tiny_dirs):
+    """lm-evaluation-harness's request to a one-member server (greedy, max_tokens 1): the reply is
+    the member's most probable next token, the one `single` writes, read off the scoring's rows
+    without a second prefill; its entry is that token's log-probability."""
+    import torch
+
+    from ensemble_llm.serve_scoring import Wants, _echoed, reply_in_scoring
+
+    with Ensemble([tiny_dirs["smol"]], method="single") as one:
+        m = one.members[0]
+        text = PROMPT + " Rome"
+        ids = m.encode(text)
+        want = Wants(logprobs=True, top=1, echo=True, ids=tuple(ids), max_tokens=1)
+        from ensemble_llm.params import GenerationParams
+
+        assert reply_in_scoring(one, want, GenerationParams(max_new_tokens=1, temperature=0))
+        assert not reply_in_scoring(one, want, GenerationParams(max_new_tokens=1, temperature=0.7))
+        lp, result = asyncio.run(_echoed(one, want, text, None, ()))
+        written = one.generate(text, raw=True, max_new_tokens=1, temperature=0)
+        assert result.text == written.text and result.usage.completion_tokens == 1
+        assert len(lp["token_logprobs"]) == len(ids) + 1
+        row = torch.log_softmax(m.forward_batch([ids])[0][-1].double(), -1)
+        assert lp["token_logprobs"][-1] == pytest.approx(float(row.max()), abs=1e-5)
+        assert lp["top_logprobs"][-1] == {lp["tokens"][-1]: lp["token_logprobs"][-1]}
