@@ -210,8 +210,12 @@ STUDIES = {
         "time. The members alone are llama-cpp-python on the same GGUFs, scoring what the harness asks "
         "(the context once, each choice's tokens on its KV); their times summed are what the pair is "
         "compared with. SmolLM2 alone through the server checks that the server ranks choices as "
-        "llama.cpp does. Through the server every choice is scored byte by byte "
-        "([scoring](../scoring.md)), each byte step at most one llama.cpp decode per member.",
+        "llama.cpp does; its figures are not bit for bit llama-cpp-python's, because the members "
+        "decode a prompt in aligned pieces of 32 tokens (so that a request repeats whatever ran "
+        "before it) and llama.cpp's quantized kernels round differently by decode size. Through the "
+        "server an ensemble scores every choice byte by byte ([scoring](../scoring.md)), each byte "
+        "step about one llama.cpp decode per member, and writes the harness's one-token reply with "
+        "its method.",
         ["lm_eval_cost/report.md"],
     ),
 }

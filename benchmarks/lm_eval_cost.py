@@ -7,10 +7,14 @@ The questions: MMLU (`mc_accuracy.py`'s data, split and 0-shot prompt, lm-eval's
 Each configuration runs in a fresh process, one llama.cpp process at a time:
 - `serve:pair`: `ensemble-llm serve` with the bundled pair and the default method, and lm-eval's
   `local-completions` with `tokenizer_backend=remote` on it (`--batch-size` prompts a request);
-- `serve:smollm2`: the same with SmolLM2-135M alone (method `single`);
+- `serve:smollm2`: the same with SmolLM2-135M alone (method `single`), one request at a time
+  (batch size 1), so that no other request shares its forwards: on llama.cpp a forward's figures
+  move with what it is batched with;
 - `llama:K`: llama-cpp-python on member K's GGUF scoring what lm-eval asks: the context's tokens
   once, then each choice's tokens on its KV (llama-cpp-python's prefix reuse), the choice's summed
-  log-probabilities. The members alone, their two times summed, are the bound.
+  log-probabilities, with flash attention on as llama.cpp's own default ("auto") runs it here and
+  the members run (llama-cpp-python turns it off unless asked). The members alone, their two
+  times summed, are the bound.
 Times are the harness's whole run (lm-eval's own work included) or llama-cpp-python's loop, model
 loading left out. The report: seconds per question, the pair over the members' sum, and
 SmolLM2's pick through the server against llama.cpp's on every question.
@@ -25,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,7 +108,12 @@ def llama(k: int, qs: list[dict]) -> dict:
     from ensemble_llm.members.loader import gguf_file, resolve_source
 
     llm = llama_cpp.Llama(
-        str(gguf_file(resolve_source(PAIR[k]))), n_ctx=2048, n_threads=cpu_cores(), logits_all=True, verbose=False
+        str(gguf_file(resolve_source(PAIR[k]))),
+        n_ctx=2048,
+        n_threads=cpu_cores(),
+        logits_all=True,
+        flash_attn=True,
+        verbose=False,
     )
     t0, lls = time.perf_counter(), []
     for q in qs:
@@ -130,7 +140,7 @@ def child(config: str, per_topic: int, batch: int) -> dict:
         return llama(int(what), qs)
     if what == "pair":
         return harness(PAIR, "specfuse", qs, batch)
-    return harness([PAIR[0]], "single", qs, batch)
+    return harness([PAIR[0]], "single", qs, 1)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -142,7 +152,8 @@ def run(args: argparse.Namespace) -> None:
         cmd = [sys.executable, __file__, "child", config, "--per-topic", str(args.per_topic)]
         cmd += ["--batch-size", str(args.batch_size)]
         got = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
-        record = {"config": config, "per_topic": args.per_topic, "batch_size": args.batch_size, **json.loads(got)}
+        batch = 1 if config == "serve:smollm2" else args.batch_size
+        record = {"config": config, "per_topic": args.per_topic, "batch_size": batch, **json.loads(got)}
         path.write_text(json.dumps(record) + "\n")
         print(config, round(record["seconds"], 1), flush=True)
 
@@ -166,14 +177,17 @@ def report(args: argparse.Namespace) -> None:
         "accuracy": acc,
         "smollm2_picks_differ": differ,
         "smollm2_largest_gap_nats": max(gaps),
+        "smollm2_median_gap_nats": statistics.median(gaps),
+        "smollm2_gaps_over_0.01": sum(g > 0.01 for g in gaps),
+        "choices": len(gaps),
     }
     (args.out / "report.json").write_text(json.dumps(record, indent=1) + "\n")
     lines = [
         "# lm-evaluation-harness against `serve`: cost and agreement",
         "",
         f"MMLU, outside half, {n} questions (4 choices, 0-shot), lm-eval's `local-completions` with "
-        f"`tokenizer_backend=remote`, batch size {runs['serve:pair']['batch_size']}; each configuration a fresh "
-        "process on this machine.",
+        f"`tokenizer_backend=remote`, batch size {runs['serve:pair']['batch_size']} for the pair and "
+        f"{runs['serve:smollm2']['batch_size']} for SmolLM2 alone; each configuration a fresh process on this machine.",
         "",
         "| configuration | seconds per question | accuracy |",
         "|---|---|---|",
@@ -184,7 +198,9 @@ def report(args: argparse.Namespace) -> None:
         f"The pair through lm-eval costs {record['pair_over_members']:.2f}x the members alone on "
         f"llama-cpp-python (summed); 1,000 questions would take {record['thousand_questions_minutes']:.1f} minutes.",
         f"SmolLM2 through the server picks as llama.cpp does on {n - len(differ)} of {n} questions "
-        f"(largest log-likelihood gap {record['smollm2_largest_gap_nats']:.2g} nats).",
+        f"(log-likelihood gaps: median {record['smollm2_median_gap_nats']:.1g} nats, "
+        f"{record['smollm2_gaps_over_0.01']} of {len(gaps)} choices over 0.01, largest "
+        f"{record['smollm2_largest_gap_nats']:.2g}).",
     ]
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

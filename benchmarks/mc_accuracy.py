@@ -11,7 +11,7 @@ their names go to the tune and outside halves in turn. Nothing was tuned on eith
 The prompt is lm-evaluation-harness's `mmlu_<subject>_continuation` (0-shot): the subject's
 description, "Question: {question}\\nAnswer:", and each choice's text after a space. Scores come
 from `Ensemble.score` (byte-level, docs/scoring.md); each member's figure is its own byte-level
-log-likelihood from the same call (what `single` would score). `acc` takes the best summed
+log-likelihood from the same call (`single` now scores its own tokens instead). `acc` takes the best summed
 log-likelihood, `acc_norm` the best per character, as lm-eval does.
 
     python benchmarks/mc_accuracy.py run --method specfuse --per-topic 4 --out benchmarks/results/mc_accuracy

@@ -74,20 +74,18 @@ def direct(tiny_dirs):
         yield eng
 
 
-@pytest.fixture(scope="module")
-def harness(tiny_dirs, tasks, direct, tmp_path_factory, monkeypatch_module):
+def evaluate(models: list[str], method: str, tasks: str, names: list[str]) -> dict:
+    """lm-eval's run, as the docs give it, against a real server of `models`."""
     from helpers import start_server
     from lm_eval.tasks import TaskManager
 
-    monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch_module.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
-    proc, base = start_server([tiny_dirs["smol"], tiny_dirs["gemma"]], METHOD)
+    proc, base = start_server(models, method)
     try:
         args = {"model": "ensemble", "base_url": base + "/v1/completions", "tokenizer_backend": "remote"}
-        yield lm_eval.simple_evaluate(
+        return lm_eval.simple_evaluate(
             model="local-completions",
             model_args=args,
-            tasks=["tiny_mc", "tiny_gen"],
+            tasks=names,
             task_manager=TaskManager(include_path=tasks),
             batch_size=4,
             log_samples=True,
@@ -95,6 +93,33 @@ def harness(tiny_dirs, tasks, direct, tmp_path_factory, monkeypatch_module):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch_module.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
+
+
+@pytest.fixture(scope="module")
+def harness(tiny_dirs, tasks, direct, offline):
+    return evaluate([tiny_dirs["smol"], tiny_dirs["gemma"]], METHOD, tasks, ["tiny_mc", "tiny_gen"])
+
+
+def test_one_member_through_the_harness_is_its_own_token_log_likelihood(tiny_dirs, tasks, offline, tiny_members):
+    """One member behind the server: the harness's figures are the member's own tokens'
+    log-probabilities, computed here by a full forward of context and choice (the harness's own
+    split: the whole text's tokens after the context's), as lm-eval's `hf` model computes them."""
+    import torch
+
+    out = evaluate([tiny_dirs["smol"]], "single", tasks, ["tiny_mc"])
+    m = tiny_members["smol"]
+    for s in out["samples"]["tiny_mc"]:
+        for ((ll, _),), (ctx, cont) in zip(s["resps"], s["arguments"]):
+            ids, whole = m.encode(ctx), m.encode(ctx + cont)
+            lp = torch.log_softmax(m.forward_batch([whole])[0].double(), -1)
+            want = sum(float(lp[j - 1, whole[j]]) for j in range(len(ids), len(whole)))
+            assert math.isclose(ll, want, abs_tol=1e-4), (ctx[-20:], cont, ll, want)
 
 
 @pytest.fixture(scope="module")
