@@ -32,7 +32,7 @@ from .placement import plan_placement, resolve_max_batch
 from .requests import Job, Settings, make_job, member_entries
 from .results import GenerationResult
 from .scoring import Scorer, ScoreResult, run_score
-from .sharing import SHARED_ENGINES
+from .sharing import ENGINE_OPTIONS, SHARED_ENGINES
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
 from .tools import tool_policy
 from .worker import Worker
@@ -43,20 +43,6 @@ if TYPE_CHECKING:
     from .methods import MethodConfig
 
 __all__ = ["ENGINE_OPTIONS", "AsyncTextStream", "Ensemble", "GenerationResult", "TextStream"]
-
-# the constructor's keyword options after members / method / config; the facades mirror them as fields
-ENGINE_OPTIONS = (
-    "device",
-    "dtype",
-    "cache_dir",
-    "trust_remote_code",
-    "progress",
-    "placement",
-    "ray_address",
-    "member_resources",
-    "max_batch",
-    "kv_budget",
-)
 
 
 class Ensemble(Scorer):

@@ -11,7 +11,7 @@ import math
 from typing import Any, Sequence
 
 from .errors import RequestError
-from .scoring import Score, TokenLogprob
+from .scores import Score, TokenLogprob
 
 
 def completion_logprobs(

@@ -9,6 +9,21 @@ import threading
 import weakref
 from typing import Any
 
+# the engine constructor's keyword options after members / method / config; the facades mirror
+# them as fields (here, not in engine.py: a facade imports this without loading the engine)
+ENGINE_OPTIONS = (
+    "device",
+    "dtype",
+    "cache_dir",
+    "trust_remote_code",
+    "progress",
+    "placement",
+    "ray_address",
+    "member_resources",
+    "max_batch",
+    "kv_budget",
+)
+
 
 class SharedEngines:
     def __init__(self) -> None:

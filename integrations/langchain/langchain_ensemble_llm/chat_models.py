@@ -31,14 +31,13 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from ensemble_llm import Ensemble, GenerationParams, RequestError, defaults
+from ensemble_llm import GenerationParams, RequestError, defaults
 from ensemble_llm.chat import content_text
 from ensemble_llm.client import RemoteEnsemble
-from ensemble_llm.engine import ENGINE_OPTIONS
 from ensemble_llm.logprobs import areply_logprobs, check_facade_call, check_facade_options, reply_logprobs
 from ensemble_llm.params import call_params
 from ensemble_llm.results import GenerationResult
-from ensemble_llm.sharing import check_model_id
+from ensemble_llm.sharing import ENGINE_OPTIONS, check_model_id
 from ensemble_llm.stopping import stop_list
 from ensemble_llm.tools import check_tool_choice
 
@@ -200,6 +199,8 @@ class EnsembleLLM(BaseChatModel):
             )
         else:
             # Ensemble validates members, method, config and devices and names the bad one
+            from ensemble_llm.engine import Ensemble  # torch loads when a facade is built, not imported
+
             self.engine, self._let_go = Ensemble.shared_or_given(
                 self.engine,
                 self.members,
