@@ -45,7 +45,7 @@ from .engine import Ensemble
 from .errors import EnsembleError, RequestCancelled, RequestError, RequestTimeout
 from .params import GenerationParams
 from .results import GenerationResult, Usage
-from .serve_scoring import Wants, completion_prompts, prompt_only, reply_in_scoring, scored, wants
+from .serve_scoring import Wants, completion_prompts, echoed, prompt_only, reply_in_scoring, scored, wants
 
 log = logging.getLogger("ensemble_llm.serve")
 API_KEY_ENV = "ENSEMBLE_LLM_API_KEY"
@@ -508,7 +508,7 @@ def _reply(srv: Server, answers: list[tuple], rid: str, created: int, chat: bool
     """A non-streamed reply in OpenAI's shape, one choice per prompt (each answer: the result, its
     logprobs and the prompt echoed before a completion's text), with the ensemble's figures."""
     choices = []
-    for i, (result, logprobs, echoed) in enumerate(answers):
+    for i, (result, logprobs, shown) in enumerate(answers):
         if chat:
             content = result.text if (result.text or not result.tool_calls) else None
             message = {"role": "assistant", "content": content}
@@ -518,7 +518,7 @@ def _reply(srv: Server, answers: list[tuple], rid: str, created: int, chat: bool
                 {"index": i, "message": message, "finish_reason": result.finish_reason, "logprobs": logprobs}
             )
         else:
-            text = echoed + result.text
+            text = shown + result.text
             choices.append({"index": i, "text": text, "finish_reason": result.finish_reason, "logprobs": logprobs})
     results = [a[0] for a in answers]
     return {
@@ -549,7 +549,7 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
             return _SlotStream(events, slot)
         t0 = time.perf_counter()
         try:
-            answers = await asyncio.gather(*(_answer(srv, request, p, params, want, chat) for p in prompts))
+            answers = await _answers(srv, request, prompts, params, want, chat)
         except EnsembleError as exc:
             raise _from_engine_error(exc, rid) from None
     except BaseException:
@@ -562,16 +562,25 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
     return _reply(srv, answers, rid, created, chat, want.echo)
 
 
-async def _answer(srv: Server, request, prompt: tuple, params: GenerationParams, want: Wants, chat: bool) -> tuple:
-    """One prompt of a request: (result, logprobs, the text echoed before the reply)."""
-    text, ids = prompt
-    want = dataclasses.replace(want, ids=ids)
+async def _answers(srv: Server, request, prompts: list, params: GenerationParams, want: Wants, chat: bool) -> list:
+    """Each prompt of a request: (result, logprobs, the text echoed before the reply). Echoed
+    prompts are scored together once all are generated (`serve_scoring.echoed`)."""
+    wants = [dataclasses.replace(want, ids=ids) for _, ids in prompts]
+    results = await asyncio.gather(*(_result(srv, request, t, params, w) for (t, _), w in zip(prompts, wants)))
+    if want.echo and want.logprobs:
+        texts = [t for t, _ in prompts]
+        done = await echoed(srv.engine, wants, texts, results, tuple(params.stop))
+        return [(result, logprobs, text) for text, (logprobs, result) in zip(texts, done)]
+    stops, texts = tuple(params.stop), [t for t, _ in prompts]
+    done = await asyncio.gather(*(scored(srv.engine, w, t, r, chat, stops) for t, w, r in zip(texts, wants, results)))
+    return [(result, logprobs, text if want.echo else "") for text, (logprobs, result) in zip(texts, done)]
+
+
+async def _result(srv: Server, request, text: str, params: GenerationParams, want: Wants) -> GenerationResult | None:
+    """One prompt's generated result (None: its reply is read off its scoring)."""
     if reply_in_scoring(srv.engine, want, params):
-        result = None
-    else:
-        result = await _run(srv.engine, request, text, params) if want.generate else prompt_only(srv.engine, text)
-    logprobs, result = await scored(srv.engine, want, text, result, chat, tuple(params.stop))
-    return result, logprobs, text if want.echo else ""
+        return None
+    return await _run(srv.engine, request, text, params) if want.generate else prompt_only(srv.engine, text)
 
 
 class _SlotStream(StreamingResponse):

@@ -7,6 +7,7 @@ option this server cannot honour is refused with a 400 naming it, never answered
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import dataclasses
 import itertools
@@ -125,7 +126,7 @@ async def scored(
     if not w.echo:
         res = await engine.ascore(prompt, Scoring((result.text,), top=w.top))
         return completion_logprobs(res.scores[0], top=w.top, offset=len(prompt)), result
-    return await _echoed(engine, w, prompt, result, stops)
+    return (await echoed(engine, [w], [prompt], [result], stops))[0]
 
 
 def reply_in_scoring(engine: Any, w: Wants, params: Any) -> bool:
@@ -137,11 +138,57 @@ def reply_in_scoring(engine: Any, w: Wants, params: Any) -> bool:
     return one and w.echo and w.logprobs and w.generate and w.max_tokens == 1
 
 
-async def _echoed(engine: Any, w: Wants, prompt: str, result: GenerationResult | None, stops: tuple[str, ...]):
-    """Prompt and reply as one text: one entry per prompt token, then one per generated token (an
-    EOS included, as OpenAI and vLLM give them). Scored from where `_scored_from` says, after a
-    context that also sets the member weights; the tokens before it are null. `result` None: the
-    reply is read off the scoring (`reply_in_scoring`)."""
+@dataclass
+class _Echo:
+    """One echoed prompt's scoring, planned: the context it is scored after, the text scored (the
+    rest of the prompt and the reply), and what its entries need afterwards."""
+
+    context: str
+    rest: str
+    token_ids: tuple[int, ...]
+    eos: bool
+    weigh: str | None
+    read: bool  # the reply is read off the scoring (`reply_in_scoring`)
+    prompt_tokens: int
+    unscored: list[TokenLogprob]
+    result: GenerationResult
+
+
+async def echoed(
+    engine: Any, ws: list[Wants], prompts: list[str], results: list[GenerationResult | None], stops: tuple[str, ...]
+) -> list[tuple[dict, GenerationResult]]:
+    """Prompts and replies as one text each: one entry per prompt token, then one per generated
+    token (an EOS included, as OpenAI and vLLM give them). Each is scored from where
+    `_scored_from` says, after a context that also sets the member weights; the tokens before it
+    are null. Prompts scored after the same context (a harness's choices of one question, sent in
+    one batch) are one scoring request: their shared work done once. A result None: the reply is
+    read off the scoring (`reply_in_scoring`)."""
+    plans = [_plan(engine, w, p, r, stops) for w, p, r in zip(ws, prompts, results)]
+    groups: dict[tuple, list[int]] = {}
+    for i, pl in enumerate(plans):
+        groups.setdefault((pl.context, pl.weigh, pl.read), []).append(i)
+
+    async def one(idx: list[int]) -> tuple[list[int], list[Any]]:
+        first = plans[idx[0]]
+        scoring = Scoring(
+            tuple(plans[i].rest for i in idx),
+            weigh=first.weigh,
+            token_ids=tuple(plans[i].token_ids for i in idx),
+            top=ws[idx[0]].top,
+            ends=tuple(plans[i].eos for i in idx),
+            greedy_next=first.read,
+        )
+        return idx, (await engine.ascore(first.context, scoring)).scores
+
+    out: list[Any] = [None] * len(plans)
+    for idx, scores in await asyncio.gather(*(one(idx) for idx in groups.values())):
+        for i, score in zip(idx, scores):
+            out[i] = _finish(engine, ws[i], plans[i], score)
+    return out
+
+
+def _plan(engine: Any, w: Wants, prompt: str, result: GenerationResult | None, stops: tuple[str, ...]) -> _Echo:
+    """What one echoed prompt's scoring is (see `echoed`), or a RequestError naming why it has none."""
     member = reporting_member(engine, raw=True)
     vb = member.vocab_bytes
     ids = list(w.ids) if w.ids is not None else member.encode(prompt)
@@ -160,15 +207,20 @@ async def _echoed(engine: Any, w: Wants, prompt: str, result: GenerationResult |
             "tokens (send at least one text token before what is scored)"
         )
     eos = w.generate and result.finish_reason == "stop" and not stops and len(gen) < w.max_tokens
-    rest = prompt[len(context) :] + result.text
     weigh = prompt if j == lead + 1 else None  # scored from its start: the whole prompt weighs, as before
-    scoring = Scoring((rest,), weigh=weigh, token_ids=(tuple(ids[j:]) + tuple(gen),), top=w.top, ends=(eos,))
-    res = await engine.ascore(context, dataclasses.replace(scoring, greedy_next=read))
-    if read:
-        res.scores[0], result = _read_reply(res.scores[0], len(ids), engine)
     unscored = [TokenLogprob(token=token_text(vb[t]), bytes=vb[t], logprob=0.0, members={}) for t in ids[:j]]
+    rest, token_ids = prompt[len(context) :] + result.text, tuple(ids[j:]) + tuple(gen)
+    return _Echo(context, rest, token_ids, eos, weigh, read, len(ids), unscored, result)
+
+
+def _finish(engine: Any, w: Wants, plan: _Echo, score: Any) -> tuple[dict, GenerationResult]:
+    """One echoed prompt's logprobs object from its score, and its result."""
+    member = reporting_member(engine, raw=True)
+    result = plan.result
+    if plan.read:
+        score, result = _read_reply(score, plan.prompt_tokens, engine)
     end = member.decode([member.eos_id], skip_special_tokens=False) if member.eos_id is not None else ""
-    return completion_logprobs(res.scores[0], lead=unscored, top=w.top, end_text=end), result
+    return completion_logprobs(score, lead=plan.unscored, top=w.top, end_text=end), result
 
 
 def _read_reply(score: Any, prompt_tokens: int, engine: Any) -> tuple[Any, GenerationResult]:

@@ -146,20 +146,20 @@ def test_an_eos_reply_gets_its_own_entry(direct):
     """A reply that ends on EOS before its budget: one entry for the EOS, the ensemble's
     probability of the end of text there."""
     from ensemble_llm.results import GenerationResult, Usage
-    from ensemble_llm.serve_scoring import Wants, _echoed
+    from ensemble_llm.serve_scoring import Wants, echoed
 
     main = direct.members[direct.member_weights("raw")[1]]
     ids = main.encode(PROMPT + " Rome")
     want = Wants(logprobs=True, top=1, echo=True, ids=tuple(ids), max_tokens=1)
     result = GenerationResult(text="", finish_reason="stop", usage=Usage(len(ids), 1))
-    lp, _ = asyncio.run(_echoed(direct, want, PROMPT + " Rome", result, ()))
+    lp, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [result], ()))[0]
     assert len(lp["token_logprobs"]) == len(ids) + 1
     assert lp["tokens"][-1] == main.decode([main.eos_id], skip_special_tokens=False)
     end = lp["token_logprobs"][-1]
     assert -50 < end < 0 and lp["top_logprobs"][-1] == {lp["tokens"][-1]: end}
     res = asyncio.run(direct.ascore(PROMPT, Scoring((" Rome",), ends=(True,))))
     assert math.isclose(res.scores[0].end.logprob, end, abs_tol=1e-6)
-    stopped, _ = asyncio.run(_echoed(direct, want, PROMPT + " Rome", result, ("\n",)))
+    stopped, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [result], ("\n",)))[0]
     assert len(stopped["token_logprobs"]) == len(ids)  # a stop string ended it: no EOS written
 
 
@@ -217,7 +217,7 @@ def test_one_member_reads_its_reply_off_the_scoring(tiny_dirs):
     without a second prefill; its entry is that token's log-probability."""
     import torch
 
-    from ensemble_llm.serve_scoring import Wants, _echoed, reply_in_scoring
+    from ensemble_llm.serve_scoring import Wants, echoed, reply_in_scoring
 
     with Ensemble([tiny_dirs["smol"]], method="single") as one:
         m = one.members[0]
@@ -228,7 +228,7 @@ def test_one_member_reads_its_reply_off_the_scoring(tiny_dirs):
 
         assert reply_in_scoring(one, want, GenerationParams(max_new_tokens=1, temperature=0))
         assert not reply_in_scoring(one, want, GenerationParams(max_new_tokens=1, temperature=0.7))
-        lp, result = asyncio.run(_echoed(one, want, text, None, ()))
+        lp, result = asyncio.run(echoed(one, [want], [text], [None], ()))[0]
         written = one.generate(text, raw=True, max_new_tokens=1, temperature=0)
         assert result.text == written.text and result.usage.completion_tokens == 1
         assert len(lp["token_logprobs"]) == len(ids) + 1
