@@ -205,11 +205,13 @@ def run_score(engine: Any, job: Any) -> ScoreResult:
         for i, c in enumerate(sc.continuations)
     ]
     datas = [c.encode("utf-8") for c in sc.continuations]
-    alts = _alternatives(members[main], prompt_ids[main], spans, datas, sc.top) if sc.top else []
     # keep_fresh: a token may always end at a byte, so no member gives a text probability 0 for its
     # beam's sake; "lazy": its forward only where a continuation's byte needs it
     lms = [m.byte_lm(SCORE_BEAM, SCORE_PRUNE, 1.0, keep_fresh="lazy") for m in members]
     starts = [lm.start(ids) for lm, ids in zip(lms, prompt_ids)]
+    # the main member's alternatives on the prompt its byte LM prefilled (one in this process)
+    state = getattr(lms[main], "prompt_state", None)
+    alts = _alternatives(members[main], prompt_ids[main], spans, datas, sc.top, state) if sc.top else []
     steps, argmax = byte_steps(lms, starts, datas + [a[3] for a in alts], tau, w, sc.ends)
     names = _names(members)
     tops = _tops(len(datas), spans, datas, alts, steps, sc.top)
@@ -255,13 +257,13 @@ def _combination(engine, job, prior, main, texts, prompt_ids) -> tuple[float, li
     return tau, w, notes
 
 
-def _alternatives(member, prompt_ids, spans, datas, k: int) -> list[tuple[int, int, int, bytes]]:
+def _alternatives(member, prompt_ids, spans, datas, k: int, state=None) -> list[tuple[int, int, int, bytes]]:
     """(continuation, token index, candidate id, text to score) for the member's k most probable
     tokens at each token of each continuation, other than the token there (its own distribution,
-    one forward over the continuation's tokens)."""
+    one forward over the continuation's tokens, after `state`: the prompt prefilled, else here)."""
     out, vb, special = [], member.vocab_bytes, member.special_ids
-    state = member.prefill(prompt_ids)
-    first = state.next_logprobs
+    state = state if state is not None else member.prefill(prompt_ids)
+    first = member.ensure_next(state)
     for c, (sp, data) in enumerate(zip(spans, datas)):
         ids = [t for t, _, _ in sp]
         with member.scratch(state):

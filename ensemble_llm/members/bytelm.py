@@ -129,6 +129,7 @@ class ByteLM:
         self.trie = byte_trie(member)
         self.heals = 0
         self.prefix_kv: torch.Tensor | None = None
+        self.prompt_state = None  # the member's state after the prompt (`start`), for a scorer's own forwards
         self._filled: list[weakref.ref[Context]] = []
         self._root_starts = self.trie.node(b"").starts
 
@@ -201,7 +202,7 @@ class ByteLM:
 
     def start(self, prompt_ids: Sequence[int]) -> Beam:
         """Prefill the prompt at token level (its canonical tokens, once) and return the empty beam."""
-        state = self.member.prefill(prompt_ids)
+        state = self.prompt_state = self.member.prefill(prompt_ids)
         self.prefix_kv = self.member.kv_tensor(state)
         root = Context(None, None)
         self._fill([root], state.next_logits[None])

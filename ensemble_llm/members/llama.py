@@ -383,7 +383,7 @@ class LlamaByteLM(ByteLM):
         state = self.member.prefill(prompt_ids)
         self.prompt_len = len(prompt_ids)
         root = Context(None, None, state.seq)
-        self._state = state  # its sequence is the root's
+        self.prompt_state = state  # its sequence is the root's
         self._fill([root], state.next_logits[None])
         return Beam([Hyp(root, b"", 0.0, 0.0)])
 
