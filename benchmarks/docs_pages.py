@@ -215,7 +215,8 @@ STUDIES = {
         "before it) and llama.cpp's quantized kernels round differently by decode size. Through the "
         "server an ensemble scores every choice byte by byte ([scoring](../scoring.md)), each byte "
         "step about one llama.cpp decode per member, and writes the harness's one-token reply with "
-        "its method.",
+        "its method. Choices of one question that arrive in the same batch are scored as one request "
+        "(the harness orders its requests by length, so only some do).",
         ["lm_eval_cost/report.md"],
     ),
 }

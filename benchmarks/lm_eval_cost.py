@@ -174,6 +174,7 @@ def report(args: argparse.Namespace) -> None:
         "seconds_per_question": per_q,
         "pair_over_members": per_q["serve:pair"] / members,
         "thousand_questions_minutes": per_q["serve:pair"] * 1000 / 60,
+        "thousand_questions_members_minutes": members * 1000 / 60,
         "accuracy": acc,
         "smollm2_picks_differ": differ,
         "smollm2_largest_gap_nats": max(gaps),
@@ -196,7 +197,8 @@ def report(args: argparse.Namespace) -> None:
     lines += [
         "",
         f"The pair through lm-eval costs {record['pair_over_members']:.2f}x the members alone on "
-        f"llama-cpp-python (summed); 1,000 questions would take {record['thousand_questions_minutes']:.1f} minutes.",
+        f"llama-cpp-python (summed); 1,000 questions would take {record['thousand_questions_minutes']:.1f} minutes, "
+        f"and {record['thousand_questions_members_minutes']:.1f} minutes with the two members alone.",
         f"SmolLM2 through the server picks as llama.cpp does on {n - len(differ)} of {n} questions "
         f"(log-likelihood gaps: median {record['smollm2_median_gap_nats']:.1g} nats, "
         f"{record['smollm2_gaps_over_0.01']} of {len(gaps)} choices over 0.01, largest "
