@@ -281,7 +281,8 @@ def _cmd_serve(args) -> int:
     if not all(importlib.util.find_spec(m) for m in ("fastapi", "pydantic", "uvicorn", "prometheus_client")):
         print('error: serving needs the serve extra: pip install "ensemble-llm[serve]"', file=sys.stderr)
         return 2
-    from .serve import Limits, serve
+    from .serve import serve
+    from .serve_requests import Limits
 
     try:
         api_key = _api_key(args)
@@ -318,7 +319,7 @@ def _api_key(args) -> str | None:
     """The key from --api-key-file, else --api-key (visible in `ps`: warned), else $ENSEMBLE_LLM_API_KEY."""
     from pathlib import Path
 
-    from .serve import API_KEY_ENV
+    from .serve_http import API_KEY_ENV
 
     if args.api_key_file and args.api_key:
         raise ValueError("give the key once: --api-key or --api-key-file, not both")

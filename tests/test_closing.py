@@ -189,7 +189,7 @@ def test_a_tool_message_without_its_call_id_is_a_clear_error_everywhere(tiny_dir
     from llama_index.core.base.llms.types import ChatMessage
     from llama_index.llms.ensemble_llm import EnsembleLLM as LI
 
-    from ensemble_llm.serve import ApiError, _messages
+    from ensemble_llm.serve_requests import ApiError, chat_messages
 
     eng = Ensemble([tiny_dirs["smol"]], method="single")
     with pytest.raises(RequestError, match=r"message 1 \(tool\) has no tool_call_id"):
@@ -199,7 +199,7 @@ def test_a_tool_message_without_its_call_id_is_a_clear_error_everywhere(tiny_dir
     with pytest.raises(RequestError, match=r"message 1 \(tool\) has no tool_call_id"):
         LI(engine=eng).chat([ChatMessage(role="user", content="hi"), ChatMessage(role="tool", content="42")])
     with pytest.raises(ApiError, match=r"messages\[1\] \(tool\) has no tool_call_id") as err:
-        _messages([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}])
+        chat_messages([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}])
     assert err.value.status == 400
 
 

@@ -13,14 +13,14 @@ def test_engine_cli_serve_and_facades_share_the_defaults(tiny_dirs):
     from langchain_ensemble_llm import EnsembleLLM as LangChainLLM
     from llama_index.llms.ensemble_llm import EnsembleLLM as LlamaIndexLLM
 
-    from ensemble_llm.serve import ChatBody, _params
+    from ensemble_llm.serve_requests import ChatBody, params_of
 
     want = (defaults.MAX_NEW_TOKENS, defaults.TEMPERATURE, defaults.TOP_P)
     p = GenerationParams()
     assert (p.max_new_tokens, p.temperature, p.top_p) == want
     args = build_parser().parse_args(["generate", "hi"])
     assert (args.max_new_tokens, args.temperature, args.method) == (want[0], want[1], None)
-    served = _params(ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}]}), raw=False)
+    served = params_of(ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}]}), raw=False)
     assert served == p
     lc = LangChainLLM(members=[tiny_dirs["smol"], tiny_dirs["gemma"]])
     li = LlamaIndexLLM(members=[tiny_dirs["smol"], tiny_dirs["gemma"]])
