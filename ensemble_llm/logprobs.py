@@ -15,13 +15,21 @@ from .scores import Score, TokenLogprob
 
 
 def completion_logprobs(
-    score: Score, *, lead: Sequence[TokenLogprob] = (), top: int = 0, offset: int = 0, end_text: str = ""
+    score: Score,
+    *,
+    lead: Sequence[TokenLogprob] = (),
+    top: int = 0,
+    offset: int = 0,
+    end_text: str = "",
+    hidden: bool = False,
 ) -> dict[str, Any]:
     """The completions `logprobs` object of `score`'s tokens. `lead`: tokens before them that
     were not scored (an echoed prompt's first token, which has no context, and the prompt before
     its answer label: log-probability null, as OpenAI and vLLM give the first token); `offset`:
     the characters before the first token (the prompt's, when it is not echoed); `end_text`: the
-    EOS token's text, for the end of text when it was scored (`Score.end`)."""
+    EOS token's text, for the end of text when it was scored (`Score.end`); `hidden`: a last
+    generated token whose bytes end no character, so no text shows it: an entry with no text and
+    null figures."""
     end = [] if score.end is None else [dataclasses.replace(score.end, token=end_text, top=[])]
     tokens = list(lead) + list(score.tokens) + end
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [], "members": []}
@@ -35,6 +43,10 @@ def completion_logprobs(
         out["text_offset"].append(offset + len(text.decode("utf-8", errors="ignore")))
         out["members"].append(None if unscored else {n: finite(v) for n, v in t.members.items()})
         text += t.bytes
+    if hidden:
+        for key, value in (("tokens", ""), ("token_logprobs", None), ("top_logprobs", None), ("members", None)):
+            out[key].append(value)
+        out["text_offset"].append(offset + len(text.decode("utf-8", errors="ignore")))
     return out
 
 

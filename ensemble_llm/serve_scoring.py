@@ -152,6 +152,7 @@ class _Echo:
     prompt_tokens: int
     unscored: list[TokenLogprob]
     result: GenerationResult
+    hidden: bool = False  # the reply is bytes that end no character: one entry with no figure
 
 
 async def echoed(
@@ -210,7 +211,16 @@ def _plan(engine: Any, w: Wants, prompt: str, result: GenerationResult | None, s
     weigh = prompt if j == lead + 1 else None  # scored from its start: the whole prompt weighs, as before
     unscored = [TokenLogprob(token=token_text(vb[t]), bytes=vb[t], logprob=0.0, members={}) for t in ids[:j]]
     rest, token_ids = prompt[len(context) :] + result.text, tuple(ids[j:]) + tuple(gen)
-    return _Echo(context, rest, token_ids, eos, weigh, read, len(ids), unscored, result)
+    hidden = _hidden(w, read, gen, result)
+    return _Echo(context, rest, token_ids, eos, weigh, read, len(ids), unscored, result, hidden)
+
+
+def _hidden(w: Wants, read: bool, gen: list[int], result: GenerationResult) -> bool:
+    """Whether the reply is a token of half a character, which a method never shows as text
+    (methods/text.py's Utf8Releaser): its entry is still given, null, so that a client that counts
+    entries (lm-evaluation-harness drops the last one) drops none of the prompt's."""
+    wrote = result.usage.completion_tokens > 0
+    return w.generate and not read and not gen and result.finish_reason == "length" and wrote
 
 
 def _finish(engine: Any, w: Wants, plan: _Echo, score: Any) -> tuple[dict, GenerationResult]:
@@ -220,7 +230,7 @@ def _finish(engine: Any, w: Wants, plan: _Echo, score: Any) -> tuple[dict, Gener
     if plan.read:
         score, result = _read_reply(score, plan.prompt_tokens, engine)
     end = member.decode([member.eos_id], skip_special_tokens=False) if member.eos_id is not None else ""
-    return completion_logprobs(score, lead=plan.unscored, top=w.top, end_text=end), result
+    return completion_logprobs(score, lead=plan.unscored, top=w.top, end_text=end, hidden=plan.hidden), result
 
 
 def _read_reply(score: Any, prompt_tokens: int, engine: Any) -> tuple[Any, GenerationResult]:

@@ -163,6 +163,26 @@ def test_an_eos_reply_gets_its_own_entry(direct):
     assert len(stopped["token_logprobs"]) == len(ids)  # a stop string ended it: no EOS written
 
 
+def test_a_reply_of_half_a_character_keeps_its_entry(direct):
+    """A method that wrote one token of half a UTF-8 character shows no text for it (the engine never
+    ends a reply in U+FFFD); echo still gives that token its entry, with null figures, so that a
+    harness dropping the last entry drops none of the choice's tokens."""
+    from ensemble_llm.results import GenerationResult, Usage
+    from ensemble_llm.serve_scoring import Wants, echoed
+
+    main = direct.members[direct.member_weights("raw")[1]]
+    ids = main.encode(PROMPT + " Rome")
+    want = Wants(logprobs=True, top=1, echo=True, ids=tuple(ids), max_tokens=1)
+    half = GenerationResult(text="", finish_reason="length", usage=Usage(len(ids), 1))
+    lp, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [half], ()))[0]
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["tokens"][-1] == "" and lp["token_logprobs"][-1] is None and lp["top_logprobs"][-1] is None
+    whole = GenerationResult(text=" is", finish_reason="length", usage=Usage(len(ids), 1))
+    shown, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [whole], ()))[0]
+    assert lp["token_logprobs"][:-1] == shown["token_logprobs"][:-1]  # the choice's figures are the same
+    assert len(shown["token_logprobs"]) == len(ids) + 1 and shown["token_logprobs"][-1] is not None
+
+
 @pytest.mark.parametrize(
     "kwargs, param",
     [
