@@ -540,17 +540,21 @@ def test_a_call_that_fails_inside_a_batched_step_fails_only_its_own_request(tiny
 
     rowgroups.RowGroupExecutor.run = flaky
     try:
-        with ThreadPoolExecutor(4) as pool:
-            futs = [pool.submit(eng.generate, p, max_new_tokens=12, raw=True) for p in PROMPTS[:4]]
-            outcomes = []
-            for f in futs:
-                try:
-                    outcomes.append(f.result().text)
-                except GenerationError as exc:
-                    outcomes.append(exc)
+        for _ in range(3):  # until the bad call shared a step: on a loaded machine the four may not overlap
+            failed.clear()
+            with ThreadPoolExecutor(4) as pool:
+                futs = [pool.submit(eng.generate, p, max_new_tokens=12, raw=True) for p in PROMPTS[:4]]
+                outcomes = []
+                for f in futs:
+                    try:
+                        outcomes.append(f.result().text)
+                    except GenerationError as exc:
+                        outcomes.append(exc)
+            assert [o for i, o in enumerate(outcomes) if i != 2] == [t for i, t in enumerate(alone) if i != 2]
+            assert isinstance(outcomes[2], GenerationError) and "breaks its step" in str(outcomes[2])
+            if max(failed) > 1:
+                break
     finally:
         rowgroups.RowGroupExecutor.run = run
-    assert [o for i, o in enumerate(outcomes) if i != 2] == [t for i, t in enumerate(alone) if i != 2]
-    assert isinstance(outcomes[2], GenerationError) and "breaks its step" in str(outcomes[2])
     assert max(failed) > 1  # it did fail steps shared with other requests
     assert eng.scheduler.idle and eng.generate(PROMPTS[2], max_new_tokens=12, raw=True).text == alone[2]
