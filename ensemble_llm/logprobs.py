@@ -31,11 +31,12 @@ def completion_logprobs(
     generated token whose bytes end no character, so no text shows it: an entry with no text and
     null figures."""
     end = [] if score.end is None else [dataclasses.replace(score.end, token=end_text, top=[])]
-    tokens = list(lead) + list(score.tokens) + end
+    unshown = [TokenLogprob(token="", bytes=b"", logprob=0.0, members={})] if hidden else []
+    tokens = list(lead) + list(score.tokens) + end + unshown
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [], "members": []}
     text = b""
     for i, t in enumerate(tokens):
-        unscored = i < len(lead)
+        unscored = i < len(lead) or i >= len(tokens) - len(unshown)
         out["tokens"].append(t.token)
         out["token_logprobs"].append(None if unscored else finite(t.logprob))
         alts = {tok: finite(lp) for tok, lp in t.top} or {t.token: finite(t.logprob)}
@@ -43,10 +44,6 @@ def completion_logprobs(
         out["text_offset"].append(offset + len(text.decode("utf-8", errors="ignore")))
         out["members"].append(None if unscored else {n: finite(v) for n, v in t.members.items()})
         text += t.bytes
-    if hidden:
-        for key, value in (("tokens", ""), ("token_logprobs", None), ("top_logprobs", None), ("members", None)):
-            out[key].append(value)
-        out["text_offset"].append(offset + len(text.decode("utf-8", errors="ignore")))
     return out
 
 

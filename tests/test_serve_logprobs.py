@@ -142,24 +142,31 @@ def test_a_reply_that_re_encodes_longer_is_cut_to_the_budget(direct):
     assert same == main.encode(text) and kept is result
 
 
-def test_an_eos_reply_gets_its_own_entry(direct):
-    """A reply that ends on EOS before its budget: one entry for the EOS, the ensemble's
-    probability of the end of text there."""
+def echo_rome(engine, reply: str, finish: str, stops: tuple[str, ...] = ()) -> dict:
+    """The echo logprobs of PROMPT + " Rome" (as token ids, lm-eval's one-token budget) with the
+    given one-token reply and finish reason."""
     from ensemble_llm.results import GenerationResult, Usage
     from ensemble_llm.serve_scoring import Wants, echoed
 
+    ids = engine.members[engine.member_weights("raw")[1]].encode(PROMPT + " Rome")
+    want = Wants(logprobs=True, top=1, echo=True, ids=tuple(ids), max_tokens=1)
+    result = GenerationResult(text=reply, finish_reason=finish, usage=Usage(len(ids), 1))
+    return asyncio.run(echoed(engine, [want], [PROMPT + " Rome"], [result], stops))[0][0]
+
+
+def test_an_eos_reply_gets_its_own_entry(direct):
+    """A reply that ends on EOS before its budget: one entry for the EOS, the ensemble's
+    probability of the end of text there."""
     main = direct.members[direct.member_weights("raw")[1]]
     ids = main.encode(PROMPT + " Rome")
-    want = Wants(logprobs=True, top=1, echo=True, ids=tuple(ids), max_tokens=1)
-    result = GenerationResult(text="", finish_reason="stop", usage=Usage(len(ids), 1))
-    lp, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [result], ()))[0]
+    lp = echo_rome(direct, "", "stop")
     assert len(lp["token_logprobs"]) == len(ids) + 1
     assert lp["tokens"][-1] == main.decode([main.eos_id], skip_special_tokens=False)
     end = lp["token_logprobs"][-1]
     assert -50 < end < 0 and lp["top_logprobs"][-1] == {lp["tokens"][-1]: end}
     res = asyncio.run(direct.ascore(PROMPT, Scoring((" Rome",), ends=(True,))))
     assert math.isclose(res.scores[0].end.logprob, end, abs_tol=1e-6)
-    stopped, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [result], ("\n",)))[0]
+    stopped = echo_rome(direct, "", "stop", ("\n",))
     assert len(stopped["token_logprobs"]) == len(ids)  # a stop string ended it: no EOS written
 
 
@@ -167,18 +174,11 @@ def test_a_reply_of_half_a_character_keeps_its_entry(direct):
     """A method that wrote one token of half a UTF-8 character shows no text for it (the engine never
     ends a reply in U+FFFD); echo still gives that token its entry, with null figures, so that a
     harness dropping the last entry drops none of the choice's tokens."""
-    from ensemble_llm.results import GenerationResult, Usage
-    from ensemble_llm.serve_scoring import Wants, echoed
-
-    main = direct.members[direct.member_weights("raw")[1]]
-    ids = main.encode(PROMPT + " Rome")
-    want = Wants(logprobs=True, top=1, echo=True, ids=tuple(ids), max_tokens=1)
-    half = GenerationResult(text="", finish_reason="length", usage=Usage(len(ids), 1))
-    lp, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [half], ()))[0]
+    ids = direct.members[direct.member_weights("raw")[1]].encode(PROMPT + " Rome")
+    lp = echo_rome(direct, "", "length")
     assert len(lp["token_logprobs"]) == len(ids) + 1
     assert lp["tokens"][-1] == "" and lp["token_logprobs"][-1] is None and lp["top_logprobs"][-1] is None
-    whole = GenerationResult(text=" is", finish_reason="length", usage=Usage(len(ids), 1))
-    shown, _ = asyncio.run(echoed(direct, [want], [PROMPT + " Rome"], [whole], ()))[0]
+    shown = echo_rome(direct, " is", "length")
     assert lp["token_logprobs"][:-1] == shown["token_logprobs"][:-1]  # the choice's figures are the same
     assert len(shown["token_logprobs"]) == len(ids) + 1 and shown["token_logprobs"][-1] is not None
 
