@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,8 +30,17 @@ from .stopping import StopPolicy
 from .streams import Output
 from .tools import ToolTextFilter
 
-if TYPE_CHECKING:
-    from .engine import Ensemble
+
+class EngineView(Protocol):
+    """What the pipeline reads of the engine (engine.py's `Ensemble`, which imports this module)."""
+
+    members: list
+    placement: str
+    method_class: type
+    method_name: str
+    model_names: list[str]
+
+    def member_preamble(self, i: int) -> list[dict]: ...
 
 
 def jsonable(entry: dict) -> dict:
@@ -58,7 +67,7 @@ class MethodRun:
     notes: dict[str, Any] = field(default_factory=dict)  # the engine's own figures (tool policy)
 
 
-def member_prompts(engine: Ensemble, job: Job, tool_choice: str) -> tuple[list[str], StopPolicy]:
+def member_prompts(engine: EngineView, job: Job, tool_choice: str) -> tuple[list[str], StopPolicy]:
     """Each member's prompt text (its own chat template or plain transcript, after its preamble)
     and the request's stops with every member's end-of-turn markers."""
     texts, stops = [], job.params.stops
@@ -177,7 +186,7 @@ def _run(
     return run
 
 
-def member_stats(engine: Ensemble, before: list[tuple], tokens_out: int) -> dict[str, Any]:
+def member_stats(engine: EngineView, before: list[tuple], tokens_out: int) -> dict[str, Any]:
     """Each member's forwards, forward time and prefills during the run, its KV bytes per token
     and the prompt tokens it took from a stored prompt (and, on Ray, the bytes moved to and from
     its actor and the round trips)."""
@@ -201,7 +210,7 @@ def member_stats(engine: Ensemble, before: list[tuple], tokens_out: int) -> dict
 
 
 def make_result(
-    engine: Ensemble,
+    engine: EngineView,
     job: Job,
     run: MethodRun,
     calls: list[ToolCall],

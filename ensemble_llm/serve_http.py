@@ -5,20 +5,16 @@ check against DNS rebinding (`HostCheck`, `allowed_hosts`)."""
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING
 
 from starlette.responses import JSONResponse
 
-from .serve_requests import ApiError
-
-if TYPE_CHECKING:
-    from .serve import Server
+from .serve_requests import ApiError, Served
 
 API_KEY_ENV = "ENSEMBLE_LLM_API_KEY"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
-def key_ok(srv: Server, request) -> bool:
+def key_ok(srv: Served, request) -> bool:
     if srv.api_key is None:
         return True
     auth = request.headers.get("authorization", "")
@@ -26,7 +22,7 @@ def key_ok(srv: Server, request) -> bool:
     return secrets.compare_digest(auth.encode(), f"Bearer {srv.api_key}".encode())
 
 
-def check_key(srv: Server, request) -> None:
+def check_key(srv: Served, request) -> None:
     if not key_ok(srv, request):
         raise ApiError(
             401,

@@ -4,10 +4,12 @@ messages and settings they become (`chat_messages`, `params_of`), and the OpenAI
 (`ApiError`) a refused request or a failed one is answered with. `checked_request` runs all of it,
 in the server's checks' threads (serve.py's `Server.checked`)."""
 
+from __future__ import annotations
+
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -16,7 +18,8 @@ from .params import GenerationParams
 from .serve_scoring import Wants, completion_prompts, wants
 
 if TYPE_CHECKING:
-    from .serve import Server
+    from .engine import Ensemble
+    from .results import GenerationResult
 
 log = logging.getLogger("ensemble_llm.serve")  # serve.py's logger: a failure's detail under its request id
 MODEL_ALIASES = ("ensemble",)  # besides the model id and the method name: what client mode sends
@@ -34,6 +37,22 @@ class Limits:
     # checks and templating of each message stay bounded
     messages: int = 2048
     check_seconds: float = 10.0  # parsing and checking one request (schemas compiled included)
+
+
+class Served(Protocol):
+    """What the request checks, the key check and the streams read of serve.py's `Server` (which
+    imports their modules)."""
+
+    engine: Ensemble
+    limits: Limits
+    api_key: str | None
+    model_id: str
+    model_names: set[str]
+    requests: Any  # its Prometheus metrics
+    tokens: Any
+    seconds: Any
+
+    def ensemble_field(self, result: GenerationResult) -> dict: ...
 
 
 class _Body(BaseModel):
@@ -258,7 +277,7 @@ def _check_counts(body: _Body, limits: Limits) -> None:
             raise ApiError(400, f"'{name}' lists {count} entries; this server takes at most {limit} {fix}", param=name)
 
 
-def _check_model(srv: "Server", name: str | None) -> None:
+def _check_model(srv: Served, name: str | None) -> None:
     if name is not None and name not in srv.model_names:
         others = ", ".join(repr(n) for n in sorted(srv.model_names - {srv.model_id}))
         raise ApiError(
@@ -269,7 +288,7 @@ def _check_model(srv: "Server", name: str | None) -> None:
         )
 
 
-def checked_request(srv: "Server", raw: bytes, chat: bool) -> tuple[_Body, list, GenerationParams, Wants]:
+def checked_request(srv: Served, raw: bytes, chat: bool) -> tuple[_Body, list, GenerationParams, Wants]:
     """Everything a request is checked for before it may queue (run in the checks' threads)."""
     body = _parsed(raw, ChatBody if chat else CompletionBody)
     _check_counts(body, srv.limits)

@@ -10,18 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from starlette.responses import StreamingResponse
 
 from .errors import EnsembleError
 from .params import GenerationParams
 from .results import GenerationResult, Usage
-from .serve_requests import ApiError, from_engine_error, internal_error
+from .serve_requests import ApiError, Served, from_engine_error, internal_error
 
 if TYPE_CHECKING:
     from .engine import Ensemble
-    from .serve import Server, _Slot
 
 
 async def run(engine: Ensemble, request, prompt: Any, params: GenerationParams) -> GenerationResult:
@@ -65,11 +64,17 @@ def usage(results: list[GenerationResult]) -> dict:
     return total.to_dict()
 
 
+class Slot(Protocol):
+    """A request's place in the queue (serve.py's `_Slot`): given back once, whatever path it takes."""
+
+    def release(self) -> None: ...
+
+
 class SlotStream(StreamingResponse):
     """Server-sent events that give the queue slot back when the response ends, also when the
     client left before the first event (then the events' generator never starts, nor its finally)."""
 
-    def __init__(self, events: AsyncIterator[str], slot: _Slot) -> None:
+    def __init__(self, events: AsyncIterator[str], slot: Slot) -> None:
         super().__init__(events, media_type="text/event-stream")
         self.slot = slot
 
@@ -81,7 +86,7 @@ class SlotStream(StreamingResponse):
 
 
 async def sse(
-    srv: Server,
+    srv: Served,
     prompt: Any,
     params: GenerationParams,
     rid: str,
@@ -89,7 +94,7 @@ async def sse(
     chat: bool,
     include_usage: bool,
     endpoint: str,
-    slot: _Slot,
+    slot: Slot,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format; the generator's cancellation (a client that
     went away) reaches the engine through the stream's cleanup. A failure mid-stream is one

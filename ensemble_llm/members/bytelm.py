@@ -24,16 +24,28 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # annotations only: member.py builds its ByteLM from this module
-    from .member import Member
-
 from .rows import Ready
-from .vocab import VocabTrie
+from .vocab import Vocab, VocabTrie
+
+
+class TreeMember(Protocol):
+    """What a byte LM asks of its member (members/member.py's `Member`, which builds its byte LMs
+    from this module; llama.py's byte LM overrides the forwards)."""
+
+    executor: Any  # steps.Executor
+    vocab: Vocab
+
+    def prefill(self, ids: Sequence[int]) -> Any: ...
+    def kv_tensor(self, state: Any) -> torch.Tensor: ...
+    def forward_rows(
+        self, prefix_kv: torch.Tensor, paths: Sequence[Sequence[torch.Tensor]], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
+
 
 EOS = 256  # index of the end-of-sequence slot in next-byte vectors (257 slots)
 LOG_RESCUE = math.log(1e-4)  # a deferred fresh hypothesis is taken in above this share of a needed byte
@@ -109,7 +121,7 @@ class ByteLM:
 
     def __init__(
         self,
-        member: Member,
+        member: TreeMember,
         beam_width: int = 5,
         prune_threshold: float = 0.0,
         temperature: float = 1.0,
@@ -385,6 +397,6 @@ def next_logprobs_many(asks: Sequence[tuple[ByteLM, Sequence[Beam]]], tallies: l
     return [lm._answers(beams) for lm, beams in asks]
 
 
-def byte_trie(member: Member) -> VocabTrie:
+def byte_trie(member: TreeMember) -> VocabTrie:
     """The member's VocabTrie, built once per member (owned by its Vocab)."""
     return member.vocab.trie()

@@ -13,10 +13,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from .scheduler import StepScheduler
+
+class Steps(Protocol):
+    """What a request's calls ask of the engine's step scheduler (members/scheduler.py's
+    `StepScheduler`), named here so that this module, which the scheduler imports, needs none."""
+
+    config: Any
+
+    def joined(self, ctx: RequestContext) -> bool: ...
+    def batching(self, ctx: RequestContext) -> bool: ...
+    def wait(self, call: Any) -> Any: ...
+    def own_forward(self, ctx: RequestContext) -> ContextManager[None]: ...
+    def request(self, ctx: RequestContext | None) -> ContextManager[None]: ...
 
 
 @dataclass
@@ -46,7 +56,7 @@ class RequestContext:
 
     check: Callable[[], None] | None = None
     tally: Tally = field(default_factory=Tally)
-    scheduler: StepScheduler | None = None
+    scheduler: Steps | None = None
     part: bool = False
     # per member: the prompt state score_prompt prefilled, for the prefill that follows (its prompt runs once)
     ready: dict[int, Any] = field(default_factory=dict)

@@ -4,7 +4,8 @@ log-probs (`RemoteRows`, `RemoteRow`), pending answers (`Pending`) and smc's byt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+import collections
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -12,8 +13,18 @@ import torch
 from ..members.scheduler import run_call
 from ..members.steps import Tree
 
-if TYPE_CHECKING:  # annotations only: member.py imports this module
-    from .member import RayMember
+
+class Owner(Protocol):
+    """What a handle asks of the member whose actor holds it (member.py's `RayMember`, which
+    imports this module)."""
+
+    vocab_size: int
+    handle_ids: Iterator[int]
+    dead_handles: collections.deque[int]
+
+    def submit(self, op: str, *args, count: bool = True, tags: tuple | None = None) -> Any: ...
+    def ask(self, op: str, *args) -> Pending: ...
+    def fetch(self, ref, count: bool = True) -> Any: ...
 
 
 # ---- handles in the caller ------------------------------------------------------------------
@@ -22,7 +33,7 @@ class _Handle:
 
     __slots__ = ("owner", "id", "__weakref__")
 
-    def __init__(self, owner: "RayMember") -> None:
+    def __init__(self, owner: Owner) -> None:
         self.owner, self.id = owner, next(owner.handle_ids)
 
     def __del__(self) -> None:
@@ -35,7 +46,7 @@ class _Handle:
 class RemoteRows:
     """The log-prob rows [n, V] of one forward, held on the actor."""
 
-    def __init__(self, owner: "RayMember", n: int) -> None:
+    def __init__(self, owner: Owner, n: int) -> None:
         self.handle, self.n = _Handle(owner), n
 
     def __len__(self) -> int:
@@ -56,7 +67,7 @@ class RemoteRow:
         self.rows, self.i = rows, i
 
     @property
-    def owner(self) -> "RayMember":
+    def owner(self) -> Owner:
         return self.rows.handle.owner
 
     def __len__(self) -> int:
@@ -110,7 +121,7 @@ class RemoteRow:
 class RemoteState:
     """A KV state on the actor; the caller mirrors its token ids and its latest row."""
 
-    def __init__(self, owner: "RayMember") -> None:
+    def __init__(self, owner: Owner) -> None:
         self.handle = _Handle(owner)
         self.ids: list[int] = []
         self.next_row: RemoteRow | None = None
@@ -130,7 +141,7 @@ class Pending:
 
     __slots__ = ("owner", "ref")
 
-    def __init__(self, owner: "RayMember", ref) -> None:
+    def __init__(self, owner: Owner, ref) -> None:
         self.owner, self.ref = owner, ref
 
     def get(self) -> Any:
@@ -169,7 +180,7 @@ class RemoteByteLM:
 
     def __init__(
         self,
-        member: "RayMember",
+        member: Owner,
         beam_width: int,
         prune_threshold: float,
         temperature: float,

@@ -11,13 +11,22 @@ row lacks is asked of the server, exactly (`ServerMember.value_at`); whatever ne
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from ...errors import CapabilityError
 from ..rows import Ready
 
-if TYPE_CHECKING:
-    from .member import ServerMember
+
+class RowSource(Protocol):
+    """What a row asks of its member (member.py's `ServerMember`, which imports this module)."""
+
+    name: str
+    url: str
+    vocab_size: int
+
+    def value_at(self, row: ServerRow, token: int) -> float: ...
+    def widen(self, row: ServerRow, n: int) -> None: ...
+    def draw(self, row: ServerRow, temperature: float, top_p: float, seed: int) -> None: ...
 
 
 def missing(member: Any, what: str, servers: str) -> CapabilityError:
@@ -38,7 +47,7 @@ class ServerRow:
 
     __slots__ = ("member", "seq", "n", "values", "order", "token", "mode", "child", "used")
 
-    def __init__(self, member: "ServerMember", seq: tuple[int, ...], n: int, top: Sequence[tuple[int, float]]) -> None:
+    def __init__(self, member: RowSource, seq: tuple[int, ...], n: int, top: Sequence[tuple[int, float]]) -> None:
         self.member, self.seq, self.n = member, seq, n  # prefix = seq[:n]
         self.values: dict[int, float] = dict(top)
         self.order = [t for t, _ in top]  # the top ids, best first
