@@ -27,7 +27,7 @@ import logging
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from filelock import FileLock, Timeout
@@ -193,3 +193,41 @@ class Calibrator:
         ).T  # [N, K]
         w = em_weights(ll)
         return [float(x) for x in w]
+
+
+class EngineWeights:
+    """An engine's member weights and main member per prompt kind (`Ensemble.member_weights`).
+
+    Weights: the method config's list; uniform for None; for "auto", the mixture weights that best
+    explain the calibration sample in that prompt kind (measured once per member and cached on
+    disk, kept here for the engine's life). The main member (drafter / primary) is the config's,
+    else the one with the largest weight, else (uniform weights) the one with the most parameters."""
+
+    def __init__(
+        self, cache_dir, sources: Sequence, preambles: Sequence, chat_prompt: Callable[[int, str], str]
+    ) -> None:
+        self.cache_dir, self.sources, self.preambles, self.chat_prompt = cache_dir, sources, preambles, chat_prompt
+        self._auto: dict[str, list[float]] = {}
+
+    def of(self, kind: str, members: Sequence[Member], method: Any) -> tuple[list[float], int]:
+        given = method.member_weights()
+        if isinstance(given, str) and given == "auto" and len(members) > 1:
+            if kind not in self._auto:
+                keys = [  # what computes the log-probs too: llama.cpp's quantized kernels are not transformers'
+                    f"{s.ref}|{json.dumps(p, sort_keys=True)}|{m.dtype}{'|' * bool(m.numerics)}{m.numerics}"
+                    for s, p, m in zip(self.sources, self.preambles, members)
+                ]
+                self._auto[kind] = Calibrator(self.cache_dir).weights(members, keys, kind, self.chat_prompt)
+            weights = list(self._auto[kind])
+        elif isinstance(given, (list, tuple)):
+            total = float(sum(given))
+            weights = [float(w) / total for w in given]
+        else:
+            weights = [1.0 / len(members)] * len(members)
+        main = method.main_member()
+        if main is None:
+            if len(set(weights)) > 1:
+                main = max(range(len(members)), key=lambda i: (weights[i], -i))
+            else:
+                main = max(range(len(members)), key=lambda i: (members[i].n_params, -i))
+        return weights, main

@@ -11,12 +11,12 @@ caller and leaves the engine usable.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Unpack
 
+from .calibrate import EngineWeights
 from .chat import BASE_PREAMBLE, render_chat, with_preamble
 from .defaults import method_for
 from .errors import ConfigError
@@ -27,14 +27,13 @@ from .members.plan import MemoryPlan, plan_members
 from .members.scheduler import StepScheduler
 from .methods import get_method
 from .params import GenerationParams
-from .pipeline import make_result, member_prompts, run_method
+from .pipeline import run_request
 from .placement import plan_placement, resolve_max_batch
 from .requests import Job, Settings, make_job, member_entries
 from .results import GenerationResult
 from .scoring import Scorer, ScoreResult, run_score
 from .sharing import ENGINE_OPTIONS, SHARED_ENGINES
 from .streams import AsyncTextStream, Output, TextStream, async_channel, sync_channel
-from .tools import tool_policy
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -100,7 +99,7 @@ class Ensemble(Scorer):
         self.method_class(self.sources, self.config).check_members()
         self.cache_dir, self.trust_remote_code, self.progress = cache_dir, bool(trust_remote_code), progress
         self._members, self._method = None, None  # list[Member] and the method, built by load()
-        self._auto: dict[str, list[float]] = {}  # "auto" weights per prompt kind, once calibrated
+        self._weights = EngineWeights(cache_dir, self.sources, self.preambles, self._chat_prompt)
         self._load_lock = threading.RLock()  # load() calibrates "auto" weights, which asks for the members
         self.max_batch = resolve_max_batch(max_batch, self.placement, self.devices)  # requests at once
         self.scheduler = StepScheduler()  # this engine's steps (members/scheduler.py), no other engine's
@@ -143,14 +142,18 @@ class Ensemble(Scorer):
         """Load every member now (otherwise the first request does)."""
         with self._load_lock:
             if self._members is None:
-                if self.placement == "ray":
-                    members = self._place_on_ray()
+                kw = {"cache_dir": self.cache_dir, "trust_remote_code": self.trust_remote_code, "options": self.options}
+                refs = [s.ref for s in self.sources]
+                if self.placement == "ray":  # each member in a Ray actor that fetches and loads it (ray/)
+                    from .ray import place_members
+
+                    kw |= {"ray_address": self.ray_address, "member_resources": self.member_resources}
+                    members = place_members(refs, self.model_names, dtype=self.dtypes[0], **kw)
                 else:
                     self.plan().check()  # the whole set, before any member downloads or loads
-                    kw = {"cache_dir": self.cache_dir, "trust_remote_code": self.trust_remote_code}
-                    kw["slots"] = self.max_batch  # a llama.cpp member's context holds this many requests
-                    members = load_members(  # at once: their loads overlap where they leave the GIL
-                        [s.ref for s in self.sources], self.devices, self.dtypes, self.options, self.progress, **kw
+                    # slots: a llama.cpp context holds max_batch requests; the loads overlap outside the GIL
+                    members = load_members(
+                        refs, self.devices, self.dtypes, progress=self.progress, slots=self.max_batch, **kw
                     )
                 method = self.method_class(members, self.config)
                 method.check_members()
@@ -183,22 +186,6 @@ class Ensemble(Scorer):
             self.sources, self.devices, self.dtypes, self.options, self.cache_dir, context_tokens, self.max_batch
         )
 
-    def _place_on_ray(self) -> list:
-        """Each member in a Ray actor (ensemble_llm/ray/): the actors fetch and load the models
-        where they run; this process gets only the tokenizers, from them."""
-        from .ray import place_members
-
-        return place_members(
-            [s.ref for s in self.sources],
-            self.model_names,
-            ray_address=self.ray_address,
-            member_resources=self.member_resources,
-            dtype=self.dtypes[0],
-            cache_dir=self.cache_dir,
-            trust_remote_code=self.trust_remote_code,
-            options=self.options,
-        )
-
     @property
     def context_window(self) -> int:
         """The smallest member's context window, read from the model configs (no weights load)."""
@@ -212,37 +199,10 @@ class Ensemble(Scorer):
         )
 
     def member_weights(self, kind: str = "chat") -> tuple[list[float], int]:
-        """(member weights, main member) for requests of `kind` ("chat" or "raw").
-
-        Weights: the method config's list; uniform for None; for "auto", the mixture weights that
-        best explain a bundled calibration sample in that prompt kind (`calibrate.py`; measured
-        once per member and cached on disk). The main member (drafter / primary) is the config's,
-        else the one with the largest weight, else (uniform weights) the one with the most
-        parameters."""
-        members, method = self.load()._members, self._method
-        given = method.member_weights()
-        if isinstance(given, str) and given == "auto" and len(members) > 1:
-            if kind not in self._auto:
-                from .calibrate import Calibrator
-
-                keys = [  # what computes the log-probs too: llama.cpp's quantized kernels are not transformers'
-                    f"{s.ref}|{json.dumps(p, sort_keys=True)}|{m.dtype}{'|' * bool(m.numerics)}{m.numerics}"
-                    for s, p, m in zip(self.sources, self.preambles, members)
-                ]
-                self._auto[kind] = Calibrator(self.cache_dir).weights(members, keys, kind, self._chat_prompt)
-            weights = list(self._auto[kind])
-        elif isinstance(given, (list, tuple)):
-            total = float(sum(given))
-            weights = [float(w) / total for w in given]
-        else:
-            weights = [1.0 / len(members)] * len(members)
-        main = method.main_member()
-        if main is None:
-            if len(set(weights)) > 1:
-                main = max(range(len(members)), key=lambda i: (weights[i], -i))
-            else:
-                main = max(range(len(members)), key=lambda i: (members[i].n_params, -i))
-        return weights, main
+        """(member weights, main member) for requests of `kind` ("chat" or "raw"): calibrate.py's
+        `EngineWeights` (the config's weights, or "auto": calibrated once per kind)."""
+        self.load()
+        return self._weights.of(kind, self._members, self._method)
 
     def _chat_prompt(self, i: int, question: str) -> str:
         """Member i's prompt text for one user message (its preamble, its chat format)."""
@@ -324,27 +284,10 @@ class Ensemble(Scorer):
     def _job(self, prompt: Any, params: GenerationParams | None, settings: dict[str, Any]) -> Job:
         return make_job(prompt, params, dict(settings), self.method_class, self.config)
 
-    # ---- one request: a pipeline of named steps --------------------------------------------------
+    # ---- one request: a pipeline of named steps (pipeline.py) -----------------------------------
     def _execute(
         self, job: Job, emit: Callable[[str], None], cancel: threading.Event
     ) -> GenerationResult | ScoreResult:
         if job.scoring is not None:
             return run_score(self, job)
-        t0 = time.perf_counter()
-        before = [m.counters() for m in self.members]
-        out, choice, retried = Output(emit, t0), job.params.tool_choice, None
-        while True:
-            texts, stops = member_prompts(self, job, choice)
-            weights, main = self.member_weights("raw" if job.params.raw else "chat")
-            job.check_deadline()  # calibrating may have used it up
-            run = run_method(self._method, self.members, job, texts, stops, weights, main, out, cancel, self.kv_budget)
-            weights, main = run.req.weights, run.req.main  # this request's own (evidence.py)
-            calls, again = tool_policy(job.prompt, run.calls, run.text, choice, run.notes)
-            if not again:
-                break
-            choice, retried = "none", run  # only a repeated call was written: answer again without tools
-        result = make_result(self, job, run, calls, texts[main], weights, main, before, out)
-        if retried is not None:
-            result.stats["answered_without_tools_after_repeated_call"] = True
-            result.stats["repeated_tool_calls_dropped"] = retried.notes["repeated_tool_calls_dropped"]
-        return result
+        return run_request(self, self._method, job, Output(emit, time.perf_counter()), cancel)

@@ -28,7 +28,7 @@ from .requests import Job
 from .results import GenerationResult, ToolCall, Usage
 from .stopping import StopPolicy
 from .streams import Output
-from .tools import ToolTextFilter
+from .tools import ToolTextFilter, tool_policy
 
 
 class EngineView(Protocol):
@@ -39,8 +39,10 @@ class EngineView(Protocol):
     method_class: type
     method_name: str
     model_names: list[str]
+    kv_budget: KVBudget
 
     def member_preamble(self, i: int) -> list[dict]: ...
+    def member_weights(self, kind: str = "chat") -> tuple[list[float], int]: ...
 
 
 def jsonable(entry: dict) -> dict:
@@ -242,3 +244,25 @@ def make_result(
     return GenerationResult(
         run.text, finish, usage, stats, engine.method_name, engine.model_names, calls, raw_text, req.stats
     )
+
+
+def run_request(engine: EngineView, method: Method, job: Job, out: Output, cancel: threading.Event) -> GenerationResult:
+    """One generation request, step by step: every member's prompt, the member weights, the
+    method's run, the tool policy (answered again without tools after a repeated call), the result."""
+    before = [m.counters() for m in engine.members]
+    choice, retried = job.params.tool_choice, None
+    while True:
+        texts, stops = member_prompts(engine, job, choice)
+        weights, main = engine.member_weights("raw" if job.params.raw else "chat")
+        job.check_deadline()  # calibrating may have used it up
+        run = run_method(method, engine.members, job, texts, stops, weights, main, out, cancel, engine.kv_budget)
+        weights, main = run.req.weights, run.req.main  # this request's own (evidence.py)
+        calls, again = tool_policy(job.prompt, run.calls, run.text, choice, run.notes)
+        if not again:
+            break
+        choice, retried = "none", run  # only a repeated call was written: answer again without tools
+    result = make_result(engine, job, run, calls, texts[main], weights, main, before, out)
+    if retried is not None:
+        result.stats["answered_without_tools_after_repeated_call"] = True
+        result.stats["repeated_tool_calls_dropped"] = retried.notes["repeated_tool_calls_dropped"]
+    return result
