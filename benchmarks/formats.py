@@ -32,6 +32,7 @@ PAIR = ["smollm2-135m-instruct", "gemma-3-270m"]
 CONFIGS = {
     "single-0": ([PAIR[0]], None, None),
     "single-1": ([PAIR[1]], None, None),
+    "auto": (PAIR, "auto", None),  # the default: specfuse for raw prompts, safe for chat
     "specfuse": (PAIR, "specfuse", None),
     "unite": (PAIR, "unite", None),
     "safe": (PAIR, "safe", None),
@@ -88,17 +89,20 @@ def run(args: argparse.Namespace) -> None:
 
 
 def hits_of(folder: Path) -> dict[str, dict[str, dict[str, list[int]]]]:
-    """{format: {task: {config: [0/1 per item]}}} over the items every configuration answered."""
+    """{format: {task: {config: [0/1 per item]}}}: per format, the configurations that ran it, over
+    the items every one of them answered."""
     rows = {}
     for path in sorted(folder.glob("*.jsonl")):
         lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
         rows[path.stem] = {r["key"]: r for r in lines}
-    keys = sorted(set.intersection(*(set(r) for r in rows.values()))) if rows else []
     out: dict = {}
-    for key in keys:
-        fmt, task = key.split(":")[:2]
-        for cfg, r in rows.items():
-            out.setdefault(fmt, {}).setdefault(task, {}).setdefault(cfg, []).append(int(r[key]["right"]))
+    for fmt in sorted({k.split(":")[0] for r in rows.values() for k in r}):
+        ran = {cfg: {k for k in r if k.split(":")[0] == fmt} for cfg, r in rows.items()}
+        ran = {cfg: keys for cfg, keys in ran.items() if keys}
+        for key in sorted(set.intersection(*ran.values())):
+            task = key.split(":")[1]
+            for cfg in ran:
+                out.setdefault(fmt, {}).setdefault(task, {}).setdefault(cfg, []).append(int(rows[cfg][key]["right"]))
     return out
 
 
@@ -162,11 +166,18 @@ def report(args: argparse.Namespace) -> None:
     print(markdown(reps, args.half))
 
 
-NAMES = {"single-0": "SmolLM2-135M alone", "single-1": "Gemma-3-270M alone", "router": "better member per task"}
+NAMES = {
+    "single-0": "SmolLM2-135M alone",
+    "single-1": "Gemma-3-270M alone",
+    "router": "better member per task",
+    "auto": "auto (the default)",
+}
 
 
 def plot(args: argparse.Namespace) -> None:
     """`<out>/<half>/accuracy.png`: each format's accuracy per configuration, the axis from 0."""
+    from math import nan
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,11 +185,15 @@ def plot(args: argparse.Namespace) -> None:
 
     reps = json.loads((args.out / args.half / "report.json").read_text(encoding="utf-8"))
     fmts = list(reps)
-    configs = ["single-0", "single-1", "router"] + list(next(iter(reps.values()))["methods"])
+    methods = [c for r in reps.values() for c in r["methods"]]
+    configs = ["single-0", "single-1", "router"] + sorted(set(methods), key=methods.index)
     fig, ax = plt.subplots(figsize=(9, 3.6))
     width = 0.8 / len(configs)
     for j, c in enumerate(configs):
-        acc = [100 * (r["router"] if c == "router" else r["correct"][c]) / r["examples"] for r in reps.values()]
+        # a configuration that did not run a format has no bar there
+        acc = [
+            100 * (r["router"] if c == "router" else r["correct"].get(c, nan)) / r["examples"] for r in reps.values()
+        ]
         ax.bar([i + j * width for i in range(len(fmts))], acc, width, label=NAMES.get(c, c))
     labels = [f"{f}\n({reps[f]['examples']})" for f in fmts]
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(fmts))], labels)

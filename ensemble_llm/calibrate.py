@@ -15,8 +15,17 @@ Weights are the mixture weights that maximise the calibration likelihood of the 
 found by EM (the classic way to fit interpolation weights of language models on held-out text):
     r[i, k] = w_k p_ik / sum_j w_j p_ij;   w_k = mean_i r[i, k].
 A member that is never more likely than the others gets little weight; members that are right on
-different examples share it. Per-member log-likelihoods are cached on disk (JSON, keyed by the
-model, its preamble and the data), so a member set is calibrated once per machine.
+different examples share it.
+
+Chat weights are calibrated on answering, not on likelihood: a member's greedy reply to each
+question (up to `ANSWER_TOKENS` tokens, its end of turn or its chat stop strings) is right when it
+names an accepted answer, and the weights are the mixture weights of "which member answers",
+EM on p[i, k] = ANSWER_EPS + (1 - 2 ANSWER_EPS) right[i, k] (`answer_weights`). A likelihood
+rewards a member that finds the reference reply probable, and a terse base model does, while
+its own replies miss the answer (docs/benchmarks/formats.md).
+
+Per-member log-likelihoods and answers are cached on disk (JSON, keyed by the model, its preamble
+and the data), so a member set is calibrated once per machine.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from .members.fetch import cache_root
 log = logging.getLogger("ensemble_llm")
 KINDS = ("raw", "chat")
 SHOTS = 3
+ANSWER_TOKENS = 32  # a calibration reply's budget: the facts' answers come in its first sentence
+ANSWER_EPS = 0.05  # answer_weights: the chance that the member that answers misses, or another hits
 
 
 def _data_dir() -> Path:
@@ -71,7 +82,7 @@ def _model_of(name: str) -> str:
 
 
 def bundled_logliks(data_digest: str, shipped_path: Path | None = None) -> dict[str, list[float]]:
-    """The bundled models' calibration log-likelihoods as they ship with the package, so that a
+    """The bundled models' calibration log-likelihoods (and chat answers) as they ship with the package, so that a
     first request does not spend its 18 s scoring the sample (measured here on the llama.cpp
     pair): only entries measured on this calibration sample and on the very file the registry
     pins now (its sha256), for the bundled name the entry is keyed by."""
@@ -129,6 +140,33 @@ def em_weights(ll: np.ndarray, iters: int = 500, tol: float = 1e-9) -> np.ndarra
     return w
 
 
+def answer_weights(right: np.ndarray) -> np.ndarray:
+    """Mixture weights of "which member answers" from right[i, k] in {0, 1} (module doc)."""
+    return em_weights(np.log(ANSWER_EPS + (1 - 2 * ANSWER_EPS) * np.asarray(right, dtype=float)))
+
+
+def greedy_reply(member: Member, prompt_ids: list[int], stops: Sequence[str], budget: int = ANSWER_TOKENS) -> str:
+    """The member's greedy reply to a prompt: up to an end-of-turn token, a stop string or `budget` tokens."""
+    from .members.rows import pick_token
+
+    state, out = member.prefill(prompt_ids), []
+    row = member.ensure_next(state)
+    while len(out) < budget:
+        tok = pick_token(row)  # greedy, whatever the row type (in process, on a server, in Ray)
+        if tok in member.eos_ids:
+            break
+        out.append(tok)
+        row = member.extend(state, [tok], last_only=True)[-1]
+    text = member.decode(out)
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def names_answer(reply: str, targets: Sequence[str]) -> bool:
+    low = reply.lower()
+    return any(t.lower() in low for t in targets)
+
+
 class Calibrator:
     """Per-member calibration log-likelihoods, computed once and cached on disk."""
 
@@ -183,11 +221,33 @@ class Calibrator:
             self._save(name)
         return memo[name]
 
+    def answers(self, member: Member, key: str, chat_prompt: Callable[[str], str]) -> list[float]:
+        """1.0 where the member's greedy chat reply names the answer, else 0.0, per scored example."""
+        from .chat import chat_stops
+
+        memo = self._load()
+        name = f"answer:{key}"
+        if name not in memo:
+            out = []
+            for ex in self.data[SHOTS:]:
+                reply = greedy_reply(
+                    member, member.prompt_ids(chat_prompt(as_question(ex["input"]))), chat_stops(member)
+                )
+                out.append(float(names_answer(reply, ex["targets"])))
+            memo[name] = out
+            self._save(name)
+        return memo[name]
+
     def weights(
         self, members: Sequence[Member], keys: Sequence[str], kind: str, chat_prompt: Callable[[int, str], str]
     ) -> list[float]:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if kind == "chat":
+            right = [
+                self.answers(m, k, lambda q, i=i: chat_prompt(i, q)) for i, (m, k) in enumerate(zip(members, keys))
+            ]
+            return [float(x) for x in answer_weights(np.array(right).T)]
         ll = np.array(
             [self.loglik(m, k, kind, lambda q, i=i: chat_prompt(i, q)) for i, (m, k) in enumerate(zip(members, keys))]
         ).T  # [N, K]
@@ -210,6 +270,7 @@ class EngineWeights:
         self._auto: dict[str, list[float]] = {}
 
     def of(self, kind: str, members: Sequence[Member], method: Any) -> tuple[list[float], int]:
+        method = method.for_kind(kind == "raw")
         given = method.member_weights()
         if isinstance(given, str) and given == "auto" and len(members) > 1:
             if kind not in self._auto:

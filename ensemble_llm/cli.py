@@ -359,7 +359,8 @@ def _add_generate(sub) -> None:
     g.add_argument(
         "--method",
         default=None,
-        help=f"single, unite, safe, specfuse or smc (default: {defaults.ENSEMBLE_METHOD} for 2+ members, else single)",
+        help=f"single, unite, safe, specfuse, smc or auto (default: {defaults.ENSEMBLE_METHOD} for 2+ members, else "
+        "single)",
     )
     g.add_argument("--max-new-tokens", type=int, default=defaults.MAX_NEW_TOKENS)
     g.add_argument("--temperature", type=float, default=defaults.TEMPERATURE)
@@ -498,7 +499,11 @@ def _add_serve(sub) -> None:
         "events), GET /v1/models, /health and /metrics. Binds to 127.0.0.1 unless told.",
     )
     _add_members(sv)
-    sv.add_argument("--method", default=None, help="default: specfuse for 2+ members, else single")
+    sv.add_argument(
+        "--method",
+        default=None,
+        help="default: auto (specfuse for raw prompts, safe for chat) for 2+ members, else single",
+    )
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument(

@@ -51,7 +51,8 @@ class Ensemble(Scorer):
         'org/repo:file.gguf' (default: the bundled SmolLM2 + Gemma-3-270M pair), or {"model": ...,
         "preamble": [...], "revision", "device_map", "max_memory", "offload_folder"} dicts; the main
         member (drafter) is the strongest unless the method config names one.
-    method: "single", "unite", "safe", "specfuse", "smc" (default: "specfuse" for 2+ members, else "single");
+    method: "single", "unite", "safe", "specfuse", "smc", "auto" (default: "auto" for 2+ members: specfuse
+        for raw prompts, safe for chat; else "single");
         config: the method's config dataclass or a dict.
     device: "auto" (CUDA when present, else CPU), a device, or one device per member.
     dtype: "auto" (bf16 on CUDA, fp32 on CPU) or a torch dtype / name.

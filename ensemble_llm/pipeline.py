@@ -250,7 +250,7 @@ def run_request(engine: EngineView, method: Method, job: Job, out: Output, cance
     """One generation request, step by step: every member's prompt, the member weights, the
     method's run, the tool policy (answered again without tools after a repeated call), the result."""
     before = [m.counters() for m in engine.members]
-    choice, retried = job.params.tool_choice, None
+    choice, retried, method = job.params.tool_choice, None, method.for_kind(job.params.raw)
     while True:
         texts, stops = member_prompts(engine, job, choice)
         weights, main = engine.member_weights("raw" if job.params.raw else "chat")
@@ -262,6 +262,8 @@ def run_request(engine: EngineView, method: Method, job: Job, out: Output, cance
             break
         choice, retried = "none", run  # only a repeated call was written: answer again without tools
     result = make_result(engine, job, run, calls, texts[main], weights, main, before, out)
+    if method.name != engine.method_name:  # auto: the method of this request's kind
+        result.stats["method"] = method.name
     if retried is not None:
         result.stats["answered_without_tools_after_repeated_call"] = True
         result.stats["repeated_tool_calls_dropped"] = retried.notes["repeated_tool_calls_dropped"]

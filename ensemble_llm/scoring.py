@@ -244,7 +244,7 @@ def _combination(engine, job, prior, main, texts, prompt_ids) -> tuple[float, li
 
     from .evidence import request_weights
 
-    members, method, notes = engine.members, engine._method, {}
+    members, method, notes = engine.members, engine._method.for_kind(job.params.raw), {}
     if job.scoring.weigh is not None:
         weigh = dataclasses.replace(job, prompt=job.scoring.weigh)
         texts, prompt_ids = _prompts(engine, weigh)

@@ -184,7 +184,7 @@ def test_shared_engine_is_one_object(tiny_dirs):
     b = Ensemble.shared([tiny_dirs["smol"], tiny_dirs["gemma"]], "safe", {"lookahead": 3})
     c = Ensemble.shared([tiny_dirs["smol"], tiny_dirs["gemma"]], "safe", {"lookahead": 4})
     assert a is b and a is not c
-    assert Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]]).method_name == "specfuse"
+    assert Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]]).method_name == "auto"
     assert Ensemble([tiny_dirs["smol"]]).method_name == "single"
     assert a.context_window == 2048
 

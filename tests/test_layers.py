@@ -83,6 +83,7 @@ FLOORS = {
         "methods.smc",
         "methods.text",
         "methods.side",
+        "methods.auto",
         "pipeline",
         "scoring",
         "token_scoring",

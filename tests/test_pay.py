@@ -11,7 +11,7 @@ import pytest
 
 from ensemble_llm import DEFAULT_MODELS, ConfigError, Ensemble, SafeConfig
 from ensemble_llm.bench import contains_answer, load_task, repeats, resolve_task
-from ensemble_llm.calibrate import as_question, em_weights
+from ensemble_llm.calibrate import ANSWER_EPS, answer_weights, as_question, em_weights, greedy_reply
 from ensemble_llm.chat import BASE_PREAMBLE, check_preamble, with_preamble
 from ensemble_llm.methods.smc import SmcConfig
 from ensemble_llm.methods.unite import UniteConfig
@@ -46,6 +46,38 @@ def test_em_gives_a_dominant_member_almost_all_weight():
     ll = np.array([[-1.0, -5.0]] * 20)
     w = em_weights(ll)
     assert w[0] > 0.99
+
+
+def test_answer_weights_maximise_the_answering_likelihood_brute_force():
+    rng = np.random.default_rng(7)
+    right = (rng.random((40, 2)) < [0.6, 0.45]).astype(float)
+    w = answer_weights(right)
+    p = ANSWER_EPS + (1 - 2 * ANSWER_EPS) * right
+    grid = np.linspace(0, 1, 1001)
+    objective = [float(np.log(p @ np.array([g, 1 - g])).sum()) for g in grid]
+    assert abs(w[0] - grid[int(np.argmax(objective))]) <= 1e-3
+    # questions both members answer, or both miss, say nothing: only the ones they split count
+    split = np.array([[1, 0]] * 6 + [[0, 1]] * 2 + [[1, 1]] * 20 + [[0, 0]] * 12, dtype=float)
+    assert answer_weights(split)[0] == pytest.approx(answer_weights(split[:8])[0], abs=1e-6)
+    assert answer_weights(np.array([[1, 0]] * 10, dtype=float))[0] > 0.99
+
+
+@pytest.mark.real
+def test_greedy_reply_is_the_single_members_text():
+    """The chat calibration's greedy reply (the member's state API outside a request) is the text
+    the engine writes with that member alone, end to end on the bundled pair."""
+    from ensemble_llm.chat import chat_stops
+
+    pair = Ensemble(list(DEFAULT_MODELS), progress=False).load()
+    for i, name in enumerate(DEFAULT_MODELS):
+        alone = Ensemble([name], progress=False)
+        for question in ("What is the capital of Japan?", "What is the chemical symbol for gold?"):
+            member = pair.members[i]
+            reply = greedy_reply(member, member.prompt_ids(pair._chat_prompt(i, question)), chat_stops(member), 24)
+            text = alone.generate([{"role": "user", "content": question}], max_new_tokens=24).text
+            assert reply.strip() == text.strip(), (name, question)
+        alone.close()
+    pair.close()
 
 
 def test_as_question():

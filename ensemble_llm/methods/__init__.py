@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import ConfigError
+from .auto import Auto, AutoConfig
 from .base import Method, Request
 from .safe import Safe, SafeConfig
 from .single import Single, SingleConfig
@@ -10,9 +11,9 @@ from .smc import Smc, SmcConfig
 from .specfuse import SpecFuse, SpecFuseConfig
 from .unite import Unite, UniteConfig
 
-MethodConfig = SingleConfig | UniteConfig | SafeConfig | SpecFuseConfig | SmcConfig  # what `config=` takes
+MethodConfig = SingleConfig | UniteConfig | SafeConfig | SpecFuseConfig | SmcConfig | AutoConfig  # what `config=` takes
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe, SpecFuse, Smc)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Single, Unite, Safe, SpecFuse, Smc, Auto)}
 
 
 def get_method(name: str) -> type[Method]:
@@ -22,6 +23,8 @@ def get_method(name: str) -> type[Method]:
 
 
 __all__ = [
+    "Auto",
+    "AutoConfig",
     "MethodConfig",
     "METHODS",
     "Method",

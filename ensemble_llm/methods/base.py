@@ -134,6 +134,11 @@ class Method(abc.ABC):
             )
         return config
 
+    def for_kind(self, raw: bool) -> "Method":
+        """The method that runs a request of this kind (raw prompt or chat): itself, except for
+        `auto` (methods/auto.py), which runs each kind with a method of its own."""
+        return self
+
     def check_members(self) -> None:  # noqa: B027 (an optional hook: most methods accept any members)
         """Raise ConfigError when the members do not suit this method. Only their number may be
         used: the engine calls it at construction with the unloaded sources, and again at load."""

@@ -119,7 +119,7 @@ class EnsembleLLM(BaseChatModel):
         ```python
         from langchain_ensemble_llm import EnsembleLLM
 
-        llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"])  # specfuse, the default for 2+ members
+        llm = EnsembleLLM(members=["smollm2-135m-instruct", "gemma-3-270m"])  # auto, the default for 2+ members
         llm.invoke("What is the capital of France?")
         ```
 
@@ -139,7 +139,8 @@ class EnsembleLLM(BaseChatModel):
     """Bundled names, local folders, local .gguf files or cached hub ids (default: the bundled pair), or
     {"model": ..., "preamble": [messages]} dicts that give one member its own preamble."""
     method: str | None = None
-    """"single", "unite", "safe", "specfuse" or "smc" (default "specfuse" for two or more members)."""
+    """"single", "unite", "safe", "specfuse", "smc" or "auto" (the default for two or more members:
+    specfuse for raw prompts, safe for chat)."""
     config: Any = None
     """The method's config: its dataclass (e.g. `SafeConfig(lookahead=4)`) or a dict."""
     device: Any = "auto"

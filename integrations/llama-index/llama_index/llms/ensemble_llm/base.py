@@ -131,7 +131,9 @@ class EnsembleLLM(FunctionCallingLLM):
         "{'model': ..., 'preamble': [messages]} dicts.",
     )
     method: Optional[str] = Field(
-        default=None, description='"single", "unite", "safe", "specfuse" or "smc" (default specfuse for 2+ members).'
+        default=None,
+        description='"single", "unite", "safe", "specfuse", "smc" or "auto" (default auto for 2+ members: '
+        "specfuse for raw prompts, safe for chat).",
     )
     config: Any = Field(default=None, description="The method's config dataclass or a dict.")
     device: Any = Field(default="auto", description='"auto", a device, or one device per member.')
