@@ -179,27 +179,33 @@ STUDIES = {
         "query engine over three country documents written from countryinfo's records. The set and its "
         "salted split were committed before any ensemble ran on it. `benchmarks/formats.py` runs each "
         "configuration in a fresh process and reports every method against the better member and the "
-        "per-task router, with paired-bootstrap 95% intervals. The runs, all on the tune half: main "
-        "before any change (67be44b's engine); the chat questions with member weights given by hand "
-        "(`--set weights=[0.7,0.3]`, where the likelihood calibration gives 0.27/0.73); and chat weights "
-        "calibrated on answering (each member's greedy replies to the calibration questions, which gave "
-        "SmolLM2 0.685), with shown answers found in any line format. What they show: the label search "
-        "finds the shots in `x => y` and next-line prompts, but the exam acts only where a member is far "
-        "behind, and on these tasks neither is, so those formats did not move. Weights fitted on "
-        "answering lifted specfuse in zero-shot chat from 26 to 38 of 144 (SmolLM2 alone 43), cost it 4 "
-        "with shots as chat turns and 2 of 40 RAG questions (where Gemma is the better member), and made "
-        "SmolLM2 the chat drafter, whose llama.cpp answer to 'What is the capital of France?' is a near "
-        "tie that goes to 'L'Étoile' and a loop, the README's own example; they were reverted. specfuse "
-        "also follows Gemma's confident short replies against a 0.315 weight (parity: 'odd'), because it "
-        "weighs each member's normalised preference between drafts and Gemma's is the sharper. The outside "
-        "half is not scored yet: no candidate has passed the tune half. What ships (shown answers in any "
-        "line format, chat turns anchored) gives main's figures: the raw formats as in the answering run "
-        "(chat weights do not reach raw prompts), and with shots as chat turns 30 again (the last run).",
+        "per-task router, with paired-bootstrap 95% intervals; 'either member right' is the most that "
+        "picking one member's reply per item could reach. "
+        "**What ships: `auto`, specfuse for raw prompts and safe for chat, with chat weights fitted on "
+        "answering.** On the outside half, scored once for it (the first table): against the better "
+        "member, +3.8 points with `Q:/A:` shots, +7.9 with `x => y`, +2.1 with the answer on the next "
+        "line, +0.0 with shots as chat turns, +4.6 in zero-shot chat (64 of 240, SmolLM2 alone 53; "
+        "95% interval -0.8 to +9.6) and +5.0 on RAG (61 of 120, Gemma alone 55). Against the per-task "
+        "router it is level with `Q:/A:` and next-line shots, +2.9 with `x => y` and in chat, level on "
+        "RAG, and 2.5 below with shots as chat turns; some tasks are more than 2 points below their "
+        "better member in every format but chat (the tables name them). specfuse with the same chat "
+        "weights, scored beside it on the chat formats: 50 with shots as turns, 60 in chat, 64 on RAG. "
+        "How it came about, on the tune half: main before any change (67be44b's engine, the second "
+        "table's specfuse) answered 26 of 144 in zero-shot chat where SmolLM2 alone answers 43, because "
+        "the chat weights, fitted on the likelihood of reference replies, gave Gemma-3 (a base model "
+        "whose own replies miss) 0.73 and specfuse follows the member whose short replies are sharpest "
+        "(Gemma's '188 is an odd number.' for every number). Weights fitted on answering (SmolLM2 "
+        "0.685) lifted specfuse to 38 but made it follow SmolLM2's llama.cpp answer to 'What is the "
+        "capital of France?' (L'Étoile and a loop), so they were reverted once (the third and fourth "
+        "tables). safe with those weights keeps SmolLM2's reply and lets Gemma act at contested tokens: "
+        "42 of 144 in chat, 32 with shots as turns, 'Paris, France, is the capital of France.'; so "
+        "chat requests run with safe and raw ones, where specfuse leads, with specfuse (the second "
+        "table: 42 in chat, 31 with turns, 18 of 40 RAG questions).",
         [
-            "formats/main/tune/report.md",
-            "formats/chat_weights/tune/report.md",
+            "formats/auto/outside/report.md",
+            "formats/auto/tune/report.md",
             "formats/answering/tune/report.md",
-            "formats/shipped/tune/report.md",
+            "formats/chat_weights/tune/report.md",
         ],
     ),
     "lm_eval_cost": (
@@ -251,7 +257,7 @@ def page(name: str) -> str:
 def index_page() -> str:
     """docs/index.md: the README, its links made relative to the site."""
     text = (ROOT / "README.md").read_text()
-    text = text.replace("benchmarks/results/formats/main/tune/accuracy.png", "img/formats_tune.png")
+    text = text.replace("benchmarks/results/formats/auto/outside/accuracy.png", "img/formats_outside.png")
     text = re.sub(r"\]\(docs/([^)]*)\)", r"](\1)", text)
     text = re.sub(r"`docs/([^`]*\.md)`", r"[\1](\1)", text)
     return text.replace(" Contributors: `CONTRIBUTING.md`;\nchanges: `CHANGELOG.md`.", "")
@@ -282,9 +288,9 @@ def cli_page() -> str:
 def main() -> None:
     import shutil
 
-    plot = RESULTS / "formats" / "main" / "tune" / "accuracy.png"
+    plot = RESULTS / "formats" / "auto" / "outside" / "accuracy.png"
     if plot.is_file():  # the README's plot, on the site
-        shutil.copyfile(plot, ROOT / "docs" / "img" / "formats_tune.png")
+        shutil.copyfile(plot, ROOT / "docs" / "img" / "formats_outside.png")
     (ROOT / "docs" / "index.md").write_text(index_page())
     (ROOT / "docs" / "cli.md").write_text(cli_page())
     out = ROOT / "docs" / "benchmarks"
