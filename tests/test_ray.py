@@ -364,11 +364,15 @@ def test_ray_grammar_constraints_equal_local(cluster, tiny_pair, method):
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     a = pair(tiny_pair, method, "local").generate(PROMPT, max_new_tokens=40, response_format=fmt)
-    b = pair(tiny_pair, method, "ray").generate(PROMPT, max_new_tokens=40, response_format=fmt)
+    remote = pair(tiny_pair, method, "ray")
+    b = remote.generate(PROMPT, max_new_tokens=40, response_format=fmt)
     same_run(a, b)
     assert a.stats["masked_rows"] == b.stats["masked_rows"] > 0
     forwards = sum(m["forward_passes"] for m in b.stats["members"].values())
-    assert 0 < b.stats["bytes_moved"] / forwards < 49152 * 4 / 10
+    # a whole row of float32 log-probs is 4 bytes a token; a mask is 1 bit a token of the masked
+    # member (the drafter, whichever member that is), so far less than a tenth of a row crosses
+    row = 4 * max(m.vocab_size for m in remote.members)
+    assert 0 < b.stats["bytes_moved"] / forwards < row / 10
 
 
 def test_ray_tokenizers_come_from_the_actors(cluster, tiny_pair):
