@@ -56,3 +56,11 @@ def test_a_bad_sub_config_is_named(tiny_dirs):
         Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], config={"chat": {"segment_len": 4}})
     with pytest.raises(ConfigError, match=r"AutoConfig has no field\(s\) \['weights'\].*valid: \['chat', 'raw'\]"):
         Ensemble([tiny_dirs["smol"], tiny_dirs["gemma"]], config={"weights": [0.5, 0.5]})
+
+
+@pytest.mark.real
+def test_the_default_answers_the_readme_question():
+    """The README's question on the bundled pair: chat runs with safe, SmolLM2 drafting."""
+    with Ensemble(["smollm2-135m-instruct", "gemma-3-270m"]) as eng:
+        res = eng.generate("What is the capital of France?", max_new_tokens=40)
+    assert res.stats["method"] == "safe" and "Paris" in res.text
