@@ -8,9 +8,9 @@ finishes the state here. A backend supplies the rest:
   KV), `_drop_kv` (drop the scored candidates' KV);
 - `target_logprob` and `byte_lm`, which each backend runs its own way.
 
-transformers (member.py) and llama.cpp (llama.py) are its backends. A member in a Ray actor runs a
-`Member` there and forwards this API to it (ray/); a member on a server has no steps here: its
-server batches (server/).
+transformers (member.py), llama.cpp (llama.py) and llama-server (server/member.py: its executor
+sends each call at once, and the server batches) are its backends. A member in a Ray actor runs a
+`Member` there and forwards this API to it (ray/).
 """
 
 from __future__ import annotations
@@ -173,9 +173,13 @@ class StateMember(Counted, TokenizerView, abc.ABC):
         _, _, cands, after = state.scored
         self._keep_kv(state, index)
         state.ids.extend(cands[index])
-        state.next_logits = after[index]
-        state.next_logprobs = torch.log_softmax(state.next_logits, dim=-1)
+        self._set_next(state, after[index])
         state.scored = None
+
+    def _set_next(self, state: Any, logits: Any) -> None:
+        """The state's next distribution from a kept candidate's row after it (raw logits here)."""
+        state.next_logits = logits
+        state.next_logprobs = torch.log_softmax(logits, dim=-1)
 
     def drop_candidates(self, state: Any) -> None:
         """Remove the KV of candidates kept by score_inline(keep=True) (no-op otherwise)."""

@@ -14,17 +14,18 @@ Concurrent requests send concurrently, and the server's continuous batching batc
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from ..context import Counted, current_tally
+from ..context import current_tally
 from ..protocol import KVAccount, PromptScore
 from ..scheduler import outside_steps
-from ..view import TokenizerView
+from ..state import StateMember
+from ..steps import BatchingConfig, Extend, Prefill, Score, StepCall
 from .client import ServerClient
 from .rows import ANY_SERVER, GREEDY, ServerRow, missing
 
@@ -34,22 +35,54 @@ NO_BYTES = "smc and scoring walk every token's probability at each byte, which a
 
 @dataclass(eq=False)
 class ServerState:
-    """The ids of one sequence; the server holds their KV (its prompt cache)."""
+    """The ids of one sequence; the server holds their KV (its prompt cache). Its next row is a
+    `ServerRow` (what the server told of it), not a tensor."""
 
-    ids: list
-    next_row: ServerRow | None = None
-    scored: list | None = None  # score_inline(keep=True)'s [(candidate, row after it)]
-
-    @property
-    def next_logprobs(self) -> ServerRow | None:
-        return self.next_row
+    ids: list = field(default_factory=list)
+    next_logprobs: ServerRow | None = None
+    next_logits: None = None  # a server sends log-probs only
+    scored: tuple | None = None  # score_inline(keep=True)'s (context length, None, candidates, rows after each)
 
     def __len__(self) -> int:
         return len(self.ids)
 
 
-class ServerMember(Counted, TokenizerView):
-    """A model on a llama.cpp server, with its tokenizer here (see the module)."""
+class ServerExecutor:
+    """A server member's executor (steps.Executor): each call is a request on the wire, sent at once;
+    the server's continuous batching batches concurrent requests, so no call waits for a step here."""
+
+    apart = True
+
+    def __init__(self, member: ServerMember) -> None:
+        self.member = member
+
+    def group(self, call: StepCall) -> tuple:
+        return (id(self.member), call.kind)
+
+    def batchable(self, call: StepCall) -> bool:
+        return False
+
+    def run(self, calls: Sequence[StepCall], config: BatchingConfig) -> None:
+        for call in calls:
+            call.result = self.run_alone(call, config)
+
+    def run_alone(self, call: StepCall, config: BatchingConfig) -> Any:
+        m = self.member
+        if isinstance(call, Prefill):
+            return m.run_prompt(call.state, call.ids, call.positions)
+        if isinstance(call, Extend):
+            return m.run_extend(call.state, call.tokens, call.last_only)
+        if isinstance(call, Score):
+            return [m.run_candidate(call.state, c) for c in call.cands]
+        raise missing(m, f"{type(call).__name__} calls are asked", ANY_SERVER)
+
+    def recover(self, call: StepCall) -> None:
+        return None  # a call changes its state only once its answer is in
+
+
+class ServerMember(StateMember):
+    """A model on a llama.cpp server, with its tokenizer here: the state API of `StateMember` over
+    `ServerExecutor` (see the module)."""
 
     backend = "server"
     capabilities: frozenset[str] = frozenset()  # no whole rows, no raw logits, no byte walk
@@ -62,6 +95,7 @@ class ServerMember(Counted, TokenizerView):
         # their top_k). With none, a row holds the server's token alone: a log-prob per token is
         # work for the server
         self.top_k, self.most_k = 0, int(top_k)
+        self.lock, self.executor = threading.RLock(), ServerExecutor(self)
         self._init_tokens(name, tokenizer, info["n_vocab"], [], source)
         self.device, self.dtype = torch.device("cpu"), torch.float32  # what it sends back: float log-probs
         self.context_window = int(info["n_ctx"])
@@ -179,26 +213,55 @@ class ServerMember(Counted, TokenizerView):
     def kv_account(self) -> KVAccount:
         return KVAccount(self.kv_device, None, padded=False)  # its KV is the server's
 
-    # ---- the state API -------------------------------------------------------------------------
-    def prefill(self, ids: Sequence[int]) -> ServerState:
-        ready = self._take_ready(ids)
-        if ready is not None:
-            return ready
-        if not ids:
-            raise ValueError("prefill() needs at least one token id")
-        state = ServerState([int(i) for i in ids])
-        state.next_row = self._ahead(state.ids)
-        self.count_prefill()
-        return state
+    # ---- StateMember's hooks: the server keeps the KV, a state only its ids -------------------
+    def new_state(self) -> ServerState:
+        return ServerState()
 
-    def extend(self, state: ServerState, ids: Sequence[int], last_only: bool = False) -> list[ServerRow]:
+    def _cut(self, state: ServerState, n: int) -> None:
+        return None
+
+    def _keep_kv(self, state: ServerState, index: int) -> None:
+        return None
+
+    def _drop_kv(self, state: ServerState) -> None:
+        return None
+
+    def _set_next(self, state: ServerState, row: ServerRow | None) -> None:
+        state.next_logprobs = row  # None where the candidate's run ended at it: `ensure_next` asks
+
+    def score_inline(
+        self, state: ServerState, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
+    ) -> list[torch.Tensor]:
+        if raw_logits:
+            raise missing(self, "raw logits are asked (SpecFuseConfig score='logit')", "use score='logprob'.")
+        return super().score_inline(state, candidates, False, keep)
+
+    def scored(self, state: ServerState, cands: list[list[int]], runs: list, raw_logits: bool, keep: bool) -> list:
+        """score_inline's answer from the executor's (log-probs, row after) per candidate."""
+        state.scored = (len(state.ids), None, cands, [after for _, after in runs]) if keep else None
+        return [values for values, _ in runs]
+
+    # ---- the executor's calls: a request or two on the wire each -------------------------------
+    def run_prompt(self, state: ServerState, ids: list[int], positions: list[int] | None) -> Any:
+        """A prompt into `state`: its next row, or (with `positions`) each position's PromptScore,
+        a forced run per run of consecutive positions; the next row is then asked when needed."""
+        if positions is None:
+            state.next_logprobs = self._ahead(ids)
+            state.ids = list(ids)
+            return [state.next_logprobs]
+        scores = {}
+        for run in _runs(sorted(set(positions))):
+            rows = self._forced(ids[: run[0]], ids[run[0] : run[-1] + 1])
+            for q, row in zip(run, rows):
+                best = row.values[row.order[0]]
+                scores[q] = PromptScore(row.values[ids[q]], row.values[ids[q]] - best)
+        state.ids, state.next_logprobs = list(ids), None
+        return [scores[q] for q in positions]
+
+    def run_extend(self, state: ServerState, ids: list[int], last_only: bool) -> list[ServerRow]:
         """Rows after each of `ids` (the last only when `last_only`): along the server's own
         continuation while `ids` follow it, else in one request."""
-        if not ids:
-            raise ValueError("extend() needs at least one token id")
-        ids = [int(i) for i in ids]
-        self.drop_candidates(state)
-        rows, row, i = [], state.next_row, 0
+        rows, row, i = [], state.next_logprobs, 0
         while row is not None and i < len(ids) and row.token == ids[i] and row.child is not None:
             row = row.child
             rows.append(row)
@@ -210,52 +273,15 @@ class ServerMember(Counted, TokenizerView):
             else:
                 rows += self._forced(prefix + ids[i : i + 1], ids[i + 1 :])
         state.ids += ids
-        state.next_row = rows[-1]
+        state.next_logprobs = rows[-1]
         return rows[-1:] if last_only else rows
 
-    def crop(self, state: ServerState, n: int) -> None:
-        self.drop_candidates(state)
-        if not 0 <= n <= len(state.ids):
-            raise ValueError(f"crop({n}) out of range for a state of {len(state.ids)} tokens")
-        if n < len(state.ids):
-            del state.ids[n:]
-            state.next_row = None
-
-    @contextlib.contextmanager
-    def scratch(self, state: ServerState):
-        base = len(state.ids)
-        saved = self.ensure_next(state)
-        try:
-            yield state
-        finally:
-            self.crop(state, base)
-            state.next_row = saved
-
-    def ensure_next(self, state: ServerState) -> ServerRow:
-        if state.next_row is None:
-            state.next_row = self._ahead(state.ids)
-        return state.next_row
-
-    # ---- specfuse's candidates -----------------------------------------------------------------
-    def score_inline(
-        self, state: ServerState, candidates: Sequence[Sequence[int]], raw_logits: bool = False, keep: bool = False
-    ) -> list[torch.Tensor]:
-        """Each candidate's log-probs: along the server's own continuation when it is that, else
-        written by a grammar in one request each."""
-        if not candidates or any(len(c) == 0 for c in candidates):
-            raise ValueError("score_inline needs non-empty candidates")
-        if raw_logits:
-            raise missing(self, "raw logits are asked (SpecFuseConfig score='logit')", "use score='logprob'.")
-        self.drop_candidates(state)
-        first = self.ensure_next(state)
-        out, kept = [], []
-        for cand in candidates:
-            cand = [int(t) for t in cand]
-            rows = self._along(first, cand) or self._forced(state.ids, cand)
-            out.append(torch.tensor([r.take([t]).get()[0] for r, t in zip(rows, cand)], dtype=torch.float32))
-            kept.append((cand, rows[len(cand)] if len(rows) > len(cand) else None))
-        state.scored = kept if keep else None
-        return out
+    def run_candidate(self, state: ServerState, cand: list[int]) -> tuple[torch.Tensor, ServerRow | None]:
+        """One candidate's log-probs and the row after it: along the server's own continuation when
+        it is that, else written by a grammar in one request."""
+        rows = self._along(state.next_logprobs, cand) or self._forced(state.ids, cand)
+        values = torch.tensor([r.take([t]).get()[0] for r, t in zip(rows, cand)], dtype=torch.float32)
+        return values, rows[len(cand)] if len(rows) > len(cand) else None
 
     @staticmethod
     def _along(row: ServerRow, cand: list[int]) -> list[ServerRow] | None:
@@ -267,27 +293,6 @@ class ServerMember(Counted, TokenizerView):
             rows.append(rows[-1].child)
         return rows
 
-    def keep_candidate(self, state: ServerState, index: int) -> None:
-        cand, after = state.scored[index]
-        state.ids += cand
-        state.next_row = after
-        state.scored = None
-
-    def drop_candidates(self, state: ServerState) -> None:
-        state.scored = None
-
-    # ---- whole prompts -------------------------------------------------------------------------
-    def score_prompt(self, ids: Sequence[int], positions: Sequence[int]) -> list[PromptScore]:
-        """log p(ids[q] | ids[:q]) and its gap below the row's best, a forced run per run of
-        consecutive positions."""
-        ids, scores = [int(i) for i in ids], {}
-        for run in _runs(sorted({int(q) for q in positions})):
-            rows = self._forced(ids[: run[0]], ids[run[0] : run[-1] + 1])
-            for q, row in zip(run, rows):
-                best = row.values[row.order[0]]
-                scores[q] = PromptScore(row.values[ids[q]], row.values[ids[q]] - best)
-        return [scores[int(q)] for q in positions]
-
     def greedy_after(self, ids: Sequence[int], continuation: Sequence[int], tie: float = 1e-4) -> bool:
         """As `TokenizerView.greedy_after`, from the rows of the continuation written after `ids`."""
         cont = [int(t) for t in continuation]
@@ -295,7 +300,7 @@ class ServerMember(Counted, TokenizerView):
             raise ValueError("greedy_after() needs at least one token of continuation")
         state = self.prefill(ids)
         try:
-            rows = self._along(state.next_row, cont) or self._forced(state.ids, cont)
+            rows = self._along(state.next_logprobs, cont) or self._forced(state.ids, cont)
             return all(r.take([t]).get()[0] >= r.top(1).get()[0][0] - tie for r, t in zip(rows, cont))
         finally:
             self.ready_slot(state)
