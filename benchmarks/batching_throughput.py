@@ -108,7 +108,7 @@ def main() -> None:
                 place = {"placement": "ray", "member_resources": {"num_cpus": 2 / len(members)}}
             engine = Ensemble(members, method, cfg, max_batch=max_batch, **place).load()
             if args.no_head_pad and not args.ray:
-                from ensemble_llm.members.headpad import pad_rows
+                from ensemble_llm.members.backends.transformers.headpad import pad_rows
 
                 for m in engine.members:
                     pad_rows(m.model, None)

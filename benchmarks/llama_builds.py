@@ -3,7 +3,7 @@
 For each build (the installed one, built as the README says, and optionally another, e.g. one
 built with native flags: `--other DIR` of a `pip install --target DIR` of the same sdist) and each
 configuration (llama.cpp's extra buffer types on, then off):
-- the health check's child probe (members/llama_probe.py): survives, or the signal that killed it;
+- the health check's child probe (members/backends/llama_cpp/probe.py): survives, or the signal that killed it;
 - where it survives: `single` on each bundled member (decode tokens/s, a 64-token greedy reply on
   three raw prompts, best of two), and for the configuration with extra buffer types, llama-cpp-
   python's own `Llama.__call__` on the same prompt ids (it has no switch for them);
@@ -30,7 +30,7 @@ PROMPTS = ["The history of the printing press", "A recipe for bread:", "Once upo
 
 CHILD = r"""
 import json, sys, time
-from ensemble_llm.members import llama_health
+from ensemble_llm.members.backends.llama_cpp import health as llama_health
 
 extra = sys.argv[1] == "1"
 forced = llama_health.Verdict(extra, ("forced by the bench",), "bench")
@@ -38,7 +38,7 @@ llama_health.verdict = lambda gguf, cache_dir=None: forced  # this process runs 
 
 from ensemble_llm import Ensemble
 from ensemble_llm.calibrate import SHOTS, Calibrator, as_question, raw_prompt, target_logprob
-from ensemble_llm.members.llama import cpu_cores
+from ensemble_llm.members.backends.llama_cpp.member import cpu_cores
 from ensemble_llm.members.loader import gguf_file, resolve_source
 
 PAIR, PROMPTS = json.loads(sys.argv[2]), json.loads(sys.argv[3])
@@ -90,7 +90,7 @@ def env_for(lib_dir: str | None) -> dict:
 def run_config(lib_dir: str | None, extra: bool, gguf: Path) -> dict:
     """The probe, and where it survives, the speed and calibration figures, in fresh processes."""
     env = env_for(lib_dir)
-    probe = [sys.executable, "-c", "import sys; from ensemble_llm.members.llama_health import probe; "
+    probe = [sys.executable, "-c", "import sys; from ensemble_llm.members.backends.llama_cpp.health import probe; "
              "o, _ = probe(__import__('pathlib').Path(sys.argv[1]), sys.argv[2] == '1'); print(o or 'ok')",
              str(gguf), "1" if extra else "0"]  # fmt: skip
     outcome = subprocess.run(probe, capture_output=True, text=True, env=env, check=True).stdout.strip()
@@ -166,7 +166,7 @@ def report(res: dict) -> str:
 
 
 def _cpu() -> str:
-    from ensemble_llm.members.llama_health import cpu_flags
+    from ensemble_llm.members.backends.llama_cpp.health import cpu_flags
 
     lines = cpu_flags().splitlines()
     model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")

@@ -48,7 +48,7 @@ def one_model(name: str, tokens: int, backends: tuple[str, ...]) -> dict:
 
     from ensemble_llm import Ensemble
     from ensemble_llm.chat import render_chat
-    from ensemble_llm.members.llama import cpu_cores
+    from ensemble_llm.members.backends.llama_cpp.member import cpu_cores
     from ensemble_llm.members.loader import gguf_file, resolve_source
 
     engines = {b: Ensemble(members([name], b), "single", progress=False).load() for b in backends}
@@ -125,7 +125,7 @@ def ceiling(name: str, n_seq: int = 8, steps: int = 32) -> dict:
     """llama.cpp's own batched one-token decode of n sequences over 1 (tokens/s), low-level API."""
     import torch
 
-    from ensemble_llm.members.llama import LlamaMember
+    from ensemble_llm.members.backends.llama_cpp.member import LlamaMember
     from ensemble_llm.members.loader import gguf_file, gguf_tokenizer, resolve_source
     from ensemble_llm.members.plan import gguf_params_and_config, kv_bytes_per_token
 

@@ -104,7 +104,7 @@ def llama(k: int, qs: list[dict]) -> dict:
     import llama_cpp
     import numpy as np
 
-    from ensemble_llm.members.llama import cpu_cores
+    from ensemble_llm.members.backends.llama_cpp.member import cpu_cores
     from ensemble_llm.members.loader import gguf_file, resolve_source
 
     llm = llama_cpp.Llama(

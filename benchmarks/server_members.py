@@ -2,7 +2,7 @@
 
     python benchmarks/server_members.py benchmarks/results/server_members/results.json
 
-One llama-server over the bundled SmolLM2 GGUF (members/server/build.py; --parallel 8, on loopback)
+One llama-server over the bundled SmolLM2 GGUF (members/backends/server/build.py; --parallel 8, on loopback)
 serves every part; each configuration runs in a fresh process.
 - identity: greedy texts of 40 prompts (28 qa_wikidata few-shot prompts, raw, stop "\\n", 12 tokens;
   12 chat prompts, 32 tokens), SmolLM2 on the server + Gemma in process against both in process,
@@ -28,10 +28,10 @@ from pathlib import Path
 
 from ensemble_llm import Ensemble
 from ensemble_llm.bench import bundled_task, load_task
+from ensemble_llm.members.backends.server import build
+from ensemble_llm.members.backends.server.member import LOOKAHEAD
 from ensemble_llm.members.fetch import fetch_bundled
 from ensemble_llm.members.registry import BUNDLED
-from ensemble_llm.members.server import build
-from ensemble_llm.members.server.member import LOOKAHEAD
 
 SMOL, GEMMA = "smollm2-135m-instruct", "gemma-3-270m"
 METHODS = ("single", "specfuse", "safe", "unite")

@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from filelock import FileLock, Timeout
 
-from .members import Member
+from .members import TokenLM
 from .members.fetch import cache_root
 
 log = logging.getLogger("ensemble_llm")
@@ -121,7 +121,7 @@ def write_bundled_logliks(cache_dir=None) -> Path:
     return out
 
 
-def target_logprob(member: Member, prompt_ids: list[int], target: str) -> float:
+def target_logprob(member: TokenLM, prompt_ids: list[int], target: str) -> float:
     """log p(target | prompt) under `member`: the target's canonical tokens scored in one forward."""
     return member.target_logprob(prompt_ids, member.encode(target))
 
@@ -145,7 +145,7 @@ def answer_weights(right: np.ndarray) -> np.ndarray:
     return em_weights(np.log(ANSWER_EPS + (1 - 2 * ANSWER_EPS) * np.asarray(right, dtype=float)))
 
 
-def greedy_reply(member: Member, prompt_ids: list[int], stops: Sequence[str], budget: int = ANSWER_TOKENS) -> str:
+def greedy_reply(member: TokenLM, prompt_ids: list[int], stops: Sequence[str], budget: int = ANSWER_TOKENS) -> str:
     """The member's greedy reply to a prompt: up to an end-of-turn token, a stop string or `budget` tokens."""
     from .members.rows import pick_token
 
@@ -203,7 +203,7 @@ class Calibrator:
         except (OSError, Timeout) as exc:  # a read-only cache only costs a recomputation next time
             log.warning("could not save calibration cache %s: %s", self.path, exc)
 
-    def loglik(self, member: Member, key: str, kind: str, chat_prompt: Callable[[str], str]) -> list[float]:
+    def loglik(self, member: TokenLM, key: str, kind: str, chat_prompt: Callable[[str], str]) -> list[float]:
         """ll of every scored example for one member. `key` identifies the member (model and
         preamble); `chat_prompt(question)` renders a question in the member's chat format."""
         memo = self._load()
@@ -221,7 +221,7 @@ class Calibrator:
             self._save(name)
         return memo[name]
 
-    def answers(self, member: Member, key: str, chat_prompt: Callable[[str], str]) -> list[float]:
+    def answers(self, member: TokenLM, key: str, chat_prompt: Callable[[str], str]) -> list[float]:
         """1.0 where the member's greedy chat reply names the answer, else 0.0, per scored example."""
         from .chat import chat_stops
 
@@ -239,7 +239,7 @@ class Calibrator:
         return memo[name]
 
     def weights(
-        self, members: Sequence[Member], keys: Sequence[str], kind: str, chat_prompt: Callable[[int, str], str]
+        self, members: Sequence[TokenLM], keys: Sequence[str], kind: str, chat_prompt: Callable[[int, str], str]
     ) -> list[float]:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -269,7 +269,7 @@ class EngineWeights:
         self.cache_dir, self.sources, self.preambles, self.chat_prompt = cache_dir, sources, preambles, chat_prompt
         self._auto: dict[str, list[float]] = {}
 
-    def of(self, kind: str, members: Sequence[Member], method: Any) -> tuple[list[float], int]:
+    def of(self, kind: str, members: Sequence[TokenLM], method: Any) -> tuple[list[float], int]:
         method = method.for_kind(kind == "raw")
         given = method.member_weights()
         if isinstance(given, str) and given == "auto" and len(members) > 1:

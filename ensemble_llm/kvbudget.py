@@ -4,7 +4,7 @@ Each request reserves, before its method runs, a bound on the KV bytes it can ho
 per member, its KV bytes per token (`Member.kv_per_token`) times its token bound (prompt plus
 `max_new_tokens`). Requests that decode together are rows of one batched cache padded to the
 longest row, and a group grows to at most twice its longest row plus `slack` columns before it
-is rebuilt (members/rowgroups.py), so a set S of running requests holds at most
+is rebuilt (members/backends/transformers/rowgroups.py), so a set S of running requests holds at most
 |S| x (2 x longest bound + slack + 1) tokens per member; smc's particles (a token tree per member,
 not a batched group) hold at most prompt + particles x beam_width x max_new_tokens. The budget
 admits a request when that bound, with it added, fits every device's limit; otherwise it waits

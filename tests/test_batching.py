@@ -1,5 +1,5 @@
 """Continuous batching across concurrent requests (members/scheduler.py, the transformers executor
-in members/rowgroups.py): a batched step computes what each row's own forward computes, and
+in members/backends/transformers/rowgroups.py): a batched step computes what each row's own forward computes, and
 concurrent requests get the texts they get alone."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from helpers import TINY_METHODS, flat, tiny_pair_for
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, RequestCancelled
 from ensemble_llm.members import rowgroups
+from ensemble_llm.members.backends.transformers.rowgroups import RowGroup, run_prefills
+from ensemble_llm.members.backends.transformers.rowgroups import run_step as _run_step
 from ensemble_llm.members.context import RequestContext, request_scope
-from ensemble_llm.members.rowgroups import RowGroup, run_prefills
-from ensemble_llm.members.rowgroups import run_step as _run_step
 from ensemble_llm.members.scheduler import StepScheduler
 from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill, Score
 

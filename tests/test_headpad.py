@@ -1,5 +1,5 @@
 """Linear layers' products of a few rows planned where the CPU's library is slow at them
-(members/headpad.py): the same values as the plain product for every row count, shape and kernel;
+(members/backends/transformers/headpad.py): the same values as the plain product for every row count, shape and kernel;
 the model's weights stay tied; the plan from timings; and the real Gemma-3 member's logits
 unchanged with every layer planned."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ensemble_llm.members import headpad
-from ensemble_llm.members.headpad import ROWS, RowPadded, describe, pad_rows, plan_from, set_plan
+from ensemble_llm.members.backends.transformers import headpad
+from ensemble_llm.members.backends.transformers.headpad import ROWS, RowPadded, describe, pad_rows, plan_from, set_plan
 
 MIXED = tuple([(4, "mm")] * 4 + [None, None] + [(8, "mm")] * 2 + [(16, "linear")] * 7 + [None])
 

@@ -12,7 +12,7 @@ from helpers import tiny_pair_for
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, KVBudgetError, RequestError, RequestTimeout
 from ensemble_llm.kvbudget import KVBudget, Reservation, parse_budget
-from ensemble_llm.members import rowgroups
+from ensemble_llm.members.backends.transformers import rowgroups
 
 PROMPT = "Say something about rain."
 

@@ -6,6 +6,7 @@ CONTRIBUTING.md's Layout section."""
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -24,19 +25,12 @@ FLOORS = {
         "members.fetch",
         "members.convert",
         "members.rows",
-        "members.rowgroups",
-        "members.llama",
-        "members.llama_cpp",
-        "members.llama_health",
-        "members.llama_probe",
         "members.context",
         "members.steps",
         "members.scheduler",
         "members.vocab",
         "members.protocol",
-        "members.headpad",
         "members.prefix",
-        "members.member",
         "members.state",
         "members.view",
         "members.bytelm",
@@ -46,12 +40,23 @@ FLOORS = {
         "members.hub",
         "members.stores",
         "members.backends",
-        "members.server",
-        "members.server.client",
-        "members.server.rows",
-        "members.server.member",
-        "members.server.load",
-        "members.server.build",
+        "members.backends.transformers",
+        "members.backends.transformers.member",
+        "members.backends.transformers.rowgroups",
+        "members.backends.transformers.headpad",
+        "members.backends.transformers.load",
+        "members.backends.llama_cpp",
+        "members.backends.llama_cpp.member",
+        "members.backends.llama_cpp.runner",
+        "members.backends.llama_cpp.health",
+        "members.backends.llama_cpp.probe",
+        "members.backends.llama_cpp.load",
+        "members.backends.server",
+        "members.backends.server.client",
+        "members.backends.server.rows",
+        "members.backends.server.member",
+        "members.backends.server.load",
+        "members.backends.server.build",
         "members.plan",
         "ray",
         "ray.actor",
@@ -225,7 +230,7 @@ def test_checker_sees_lazy_and_relative_imports(tmp_path):
     """The checker is not blind: a lazy relative import inside a function is found and resolved."""
     deps = imports_of(ROOT / "cli.py")
     assert {"bench", "serve", "members.fetch"} <= deps  # cli imports these inside its commands
-    assert "members.member" in imports_of(ROOT / "members" / "loader.py")
+    assert "members.plan" in imports_of(ROOT / "members" / "backends" / "transformers" / "load.py")
     # serve_stream names the engine for its annotations only
     assert "engine" not in imports_of(ROOT / "serve_stream.py")
     assert "engine" in imports_of(ROOT / "serve_stream.py", annotations=True)
@@ -265,25 +270,58 @@ def test_the_engine_stays_thin():
 
 
 def test_a_backend_is_its_folder_and_a_registry_entry():
-    """Only the registry names where a backend's loader lives, and nothing outside the server
-    backend's folder imports it: adding a backend touches its folder and members/backends.py."""
-    from ensemble_llm.members.backends import BACKENDS, loader_of
+    """Each backend in the registry is a folder `members/backends/<name>/` whose loader and
+    `accepts` the registry names, whose member is a `StateMember`, and which nothing outside it
+    imports: adding a backend touches its folder and one entry in members/backends/__init__.py.
+    (members/__init__.py re-exports transformers' `Member`, the class a custom member subclasses.)"""
+    from ensemble_llm.members.backends import BACKENDS, accepts_of, loader_of
+    from ensemble_llm.members.state import StateMember
 
-    for name in BACKENDS:
-        assert callable(loader_of(name))
-    outside = {m: deps for m, deps in graph().items() if not m.startswith("members.server")}
-    users = sorted(m for m, deps in outside.items() if any(d.startswith("members.server") for d in deps))
-    assert not users, f"modules outside members/server/ import it: {users}"
+    folders = {p.name for p in (ROOT / "members" / "backends").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    named = {b.loader.split(".")[0] for b in BACKENDS.values()}
+    assert folders == named, f"backend folders {sorted(folders)} are not the registry's {sorted(named)}"
+    for name, backend in BACKENDS.items():
+        folder = backend.loader.split(".")[0]
+        assert backend.accepts.split(".")[0] == folder, f"{name}: its accepts lives outside its folder"
+        assert callable(loader_of(name)) and callable(accepts_of(name))
+        member = importlib.import_module(f"ensemble_llm.members.backends.{folder}.member")
+        classes = [c for c in vars(member).values() if isinstance(c, type) and c.__module__ == member.__name__]
+        assert any(issubclass(c, StateMember) for c in classes), f"{name}: no StateMember in its member.py"
+    reexport = {"members": {"members.backends.transformers.member"}}
+    bad = sorted(
+        f"{m} imports {d}"
+        for m, deps in graph(annotations=True).items()
+        for d in deps
+        if d.startswith("members.backends.")
+        and not m.startswith(".".join(d.split(".")[:3]))
+        and d not in reexport.get(m, ())
+    )
+    assert not bad, f"modules outside a backend's folder import it: {bad}"
 
 
-def test_no_backend_name_is_compared_outside_the_registry_and_the_auto_policy():
+def test_no_state_api_block_is_written_twice():
+    """The state API exists once (members/state.py): no six code lines in a row repeat between
+    the members' modules."""
+    files = [ROOT / "members" / "state.py", ROOT / "ray" / "member.py"]
+    files += sorted((ROOT / "members" / "backends").glob("*/member.py"))
+    where: dict[tuple[str, ...], set[str]] = {}
+    for path in files:
+        lines = [x.strip() for x in path.read_text(encoding="utf-8").splitlines()]
+        code = [x for x in lines if x and not x.startswith(("#", '"""'))]
+        for i in range(len(code) - 5):
+            where.setdefault(tuple(code[i : i + 6]), set()).add(str(path.relative_to(ROOT)))
+    repeats = [f"{sorted(fs)}: {block[0]}" for block, fs in where.items() if len(fs) > 1]
+    assert not repeats, repeats[:5]
+
+
+def test_no_backend_name_is_compared_outside_the_registry():
     """A backend is its folder and a registry entry: code elsewhere asks the registry or the member
     (`backend`, `numerics`, `capabilities`), never compares a backend's name."""
     from ensemble_llm.members.backends import BACKENDS
 
     names = "|".join(re.escape(n) for n in BACKENDS)
     compared = re.compile(rf'(==|!=)\s*"({names})"|"({names})"\s*(==|!=)|\bbackend\s*(==|!=)\s')
-    allowed = {"members/backends.py", "members/sources.py"}  # the registry; what "auto" picks
+    allowed = {"members/backends/__init__.py"}  # the registry
     hits = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
         for path in sorted(ROOT.rglob("*.py"))
@@ -291,4 +329,4 @@ def test_no_backend_name_is_compared_outside_the_registry_and_the_auto_policy():
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if compared.search(line)
     ]
-    assert not hits, "ask members/backends.py or the member instead:\n" + "\n".join(hits)
+    assert not hits, "ask members/backends/ or the member instead:\n" + "\n".join(hits)

@@ -1,4 +1,4 @@
-"""Members on llama.cpp (members/llama.py) on the real bundled GGUF files: a batched step, forks,
+"""Members on llama.cpp (members/backends/llama_cpp/member.py) on the real bundled GGUF files: a batched step, forks,
 crops, candidates and trees give what the same calls give one at a time in a second context of
 the same file (llama.cpp's results depend on where a sequence's cells sit, so each reference
 replays the same calls in the same order: the cells land where they landed); the tokenizer check;
@@ -15,7 +15,7 @@ from helpers import DEMONYM, GEMMA, RUSSIAN, SMOL, TINY_METHODS
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, KVBudgetError
 from ensemble_llm.members import load_member, member_options
-from ensemble_llm.members.llama import LlamaByteLM, LlamaMember, check_tokenizer
+from ensemble_llm.members.backends.llama_cpp.member import LlamaByteLM, LlamaMember, check_tokenizer
 from ensemble_llm.members.loader import gguf_file, gguf_tokenizer, resolve_backend, resolve_source
 from ensemble_llm.members.options import MemberOptions
 from ensemble_llm.members.plan import gguf_params_and_config, kv_bytes_per_token
@@ -202,11 +202,11 @@ def test_specfuse_drafts_side_by_side_on_a_cpu_pair_and_writes_what_it_writes_in
     """On the CPU the llama.cpp pair drafts and scores in two threads, each decode on its share of
     the cores (one thread of two); the greedy texts are those of the members taking turns on every
     core, and a decode outside the drafts gets every core again."""
-    from ensemble_llm.members.llama_cpp import LlamaRunner
+    from ensemble_llm.members.backends.llama_cpp.runner import LlamaRunner
     from ensemble_llm.methods.specfuse import _FuseRun
 
     engine = Ensemble([SMOL, GEMMA], method="specfuse")
-    for m in engine.members:  # no stored prompts: each pass's cells sit where the other's sat (see llama_cpp.py)
+    for m in engine.members:  # no stored prompts: each pass's cells sit where the other's sat (runner.py)
         m.prefixes.clear()
         monkeypatch.setattr(m.prefixes, "max_bytes", 0)
     threads = []
@@ -224,7 +224,7 @@ def test_specfuse_drafts_side_by_side_on_a_cpu_pair_and_writes_what_it_writes_in
 def test_a_file_llama_cpp_cannot_load_is_refused_with_its_reason(tmp_path):
     """The reason comes from llama.cpp's own error lines (its log callback drops them: they are
     read again from a second open of the failed file), and a later load still works."""
-    from ensemble_llm.members.llama_cpp import LlamaRunner
+    from ensemble_llm.members.backends.llama_cpp.runner import LlamaRunner
 
     bad = tmp_path / "truncated.gguf"
     bad.write_bytes(gguf_file(resolve_source(SMOL), progress=False).read_bytes()[:4096])

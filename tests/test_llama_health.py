@@ -1,4 +1,4 @@
-"""The llama.cpp health check (members/llama_health.py): the configurations are tried in a child
+"""The llama.cpp health check (members/backends/llama_cpp/health.py): the configurations are tried in a child
 process, a child that dies of a real SIGSEGV (injected with the test-only ENSEMBLE_LLM_PROBE_FAULT)
 leaves this process working, the fallback is chosen or the clear error raised, and the verdict is
 kept per machine and build so that the next start probes nothing."""
@@ -12,8 +12,8 @@ from helpers import SMOL
 
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError
-from ensemble_llm.members import llama_health
-from ensemble_llm.members.llama_probe import FAULT_ENV
+from ensemble_llm.members.backends.llama_cpp import health as llama_health
+from ensemble_llm.members.backends.llama_cpp.probe import FAULT_ENV
 from ensemble_llm.members.loader import gguf_file, resolve_backend, resolve_source
 from ensemble_llm.members.options import MemberOptions
 from ensemble_llm.members.sources import Source

@@ -10,8 +10,8 @@ import torch
 from helpers import GEMMA, SMOL, flat
 
 from ensemble_llm.errors import ConfigError
+from ensemble_llm.members.backends.transformers.rowgroups import RowGroup, run_prefills, run_step
 from ensemble_llm.members.prefix import ENV, MIN_TOKENS, PrefixCache, configured_bytes
-from ensemble_llm.members.rowgroups import RowGroup, run_prefills, run_step
 from ensemble_llm.members.steps import BatchingConfig, Extend, Prefill
 
 

@@ -16,7 +16,8 @@ from helpers import GEMMA, SMOL, greedy
 
 from ensemble_llm.errors import ConfigError
 from ensemble_llm.members import clear_cache, load_member
-from ensemble_llm.members.loader import bitsandbytes_config, quantization_kwargs, resolve_source
+from ensemble_llm.members.backends.transformers.load import bitsandbytes_config, quantization_kwargs
+from ensemble_llm.members.loader import resolve_source
 from ensemble_llm.members.options import NO_OPTIONS, member_options
 from ensemble_llm.members.plan import plan_members, safetensors_counts
 from ensemble_llm.requests import member_entries, member_spec

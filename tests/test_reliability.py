@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ensemble_llm import Ensemble, GenerationError, ModelNotFoundError, RequestError, RequestTimeout
-from ensemble_llm.members.member import Member
+from ensemble_llm.members.backends.transformers.member import Member
 
 STORY = "Tell me a long story about a dragon."
 

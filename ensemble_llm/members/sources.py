@@ -71,49 +71,15 @@ def check_gguf(path: Path) -> None:
 
 
 def resolve_backend(source: Source, options: MemberOptions, cache_dir=None, progress: bool = False) -> str:
-    """ "llama.cpp" or "transformers" for this member (options.py `BACKENDS`): "auto" takes llama.cpp
-    for a GGUF file when llama-cpp-python is installed, survives this CPU (llama_health.py; a
-    crash falls back to transformers, with one line that says why) and no transformers-only option
-    is set. An explicit "llama.cpp" that would crash is a ConfigError."""
-    from .llama_cpp import binding
-    from .llama_health import installed, tell_fallback, unhealthy_error, verdict
+    """The backend that runs this member (`BACKENDS`): the one named, if it takes the member (else
+    its ConfigError says why); with "auto", the first in `AUTO_ORDER` that takes it (llama.cpp for
+    a GGUF file on a CPU it survives, else transformers)."""
+    from .backends import AUTO_ORDER, BACKENDS, accepts_of
 
-    gguf = source.kind in GGUF_KINDS
-    only_hf = options.quantization is not None or options.spans
-    if options.backend == "server":
-        if only_hf:
-            raise ConfigError(
-                f"member {source.ref!r} runs on the server at {options.url}, so quantization and "
-                "device_map/max_memory/offload_folder do not apply (the server loaded it); drop them."
-            )
-        return "server"
-    if options.backend == "transformers":
-        return "transformers"
-    if options.backend == "llama.cpp":
-        if not gguf:
-            raise ConfigError(
-                f"member {source.ref!r} is a {source.kind} model, but backend='llama.cpp' runs GGUF files; give a "
-                "bundled name, a .gguf file or 'org/repo:file.gguf', or backend='transformers'."
-            )
-        if only_hf:
-            raise ConfigError(
-                f"member {source.ref!r}: quantization and device_map/max_memory/offload_folder apply to "
-                "backend='transformers'; a GGUF on llama.cpp runs at its own quantization. Drop them or "
-                "give backend='transformers'."
-            )
-        if not installed():
-            binding()  # a ConfigError that says how to install it
-        v = verdict(gguf_file(source, cache_dir, progress, options.revision), cache_dir)
-        if not v.healthy:
-            raise unhealthy_error(v, source.ref)
-        return "llama.cpp"
-    if not (gguf and not only_hf and installed()):
-        return "transformers"
-    v = verdict(gguf_file(source, cache_dir, progress, options.revision), cache_dir)
-    if not v.healthy:
-        tell_fallback(v, source.ref)
-        return "transformers"
-    return "llama.cpp"
+    if options.backend in BACKENDS:  # named
+        accepts_of(options.backend)(source, options, cache_dir, progress, True)
+        return options.backend
+    return next(b for b in AUTO_ORDER if accepts_of(b)(source, options, cache_dir, progress, False))
 
 
 def gguf_file(source: Source, cache_dir=None, progress: bool = True, revision: str | None = None) -> Path:

@@ -8,8 +8,8 @@ finishes the state here. A backend supplies the rest:
   KV), `_drop_kv` (drop the scored candidates' KV);
 - `target_logprob` and `byte_lm`, which each backend runs its own way.
 
-transformers (member.py), llama.cpp (llama.py) and llama-server (server/member.py: its executor
-sends each call at once, and the server batches) are its backends. A member in a Ray actor runs a
+Every backend's member is one (backends/<name>/member.py): transformers, llama.cpp, and llama-server
+(its executor sends each call at once, and the server batches). A member in a Ray actor runs a
 `Member` there and forwards this API to it (ray/).
 """
 

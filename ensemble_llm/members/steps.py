@@ -4,8 +4,8 @@ A call is what one request asks of one member's forward: a prompt's prefill (`Pr
 at some positions for the per-request weights), tokens appended to a state (`Extend`), specfuse's
 candidates scored side by side after a state (`Score`), smc's token trees (`Tree`). The step
 scheduler (scheduler.py) gathers the waiting calls of all running requests into steps; each
-member's executor runs a step's calls (`Executor`): transformers row groups (rowgroups.py),
-llama.cpp sequences (llama.py), a Ray actor (ray/member.py).
+member's executor runs a step's calls (`Executor`): transformers row groups (backends/transformers/rowgroups.py),
+llama.cpp sequences (backends/llama_cpp/member.py), a Ray actor (ray/member.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class TokenizerView:
     `RayMember` (ensemble_llm/ray/) adds a model in a Ray actor, tokenization staying with the caller."""
 
     remote = False  # True for a member whose model runs in a Ray actor (its forwards run apart)
-    backend = ""  # members/backends.py's name, set by each backend
+    backend = ""  # members/backends/'s name, set by each backend
     _ready_outside: Any = None  # score_prompt's state kept outside a request (`ready_slot`)
     capabilities: frozenset[str] = IN_PROCESS  # protocol.py: what it gives beyond the state API
 

@@ -9,7 +9,7 @@ SentencePiece leading space dropped), which the token bytes alone do not give.
 
 from __future__ import annotations
 
-from ..members import Member
+from ..members import TokenLM
 from ..members.vocab import valid_utf8_prefix
 
 
@@ -17,7 +17,7 @@ class IncrementalDecoder:
     """Decodes token ids as they come; holds back text while the last bytes are an incomplete
     UTF-8 sequence (decoded as U+FFFD), so every delta is final."""
 
-    def __init__(self, member: Member) -> None:
+    def __init__(self, member: TokenLM) -> None:
         self.member = member
         self.ids: list[int] = []
         self.emitted = 0  # characters already returned

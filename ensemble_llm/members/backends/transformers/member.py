@@ -17,15 +17,15 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from .bytelm import ByteLM
-from .context import check_request, current_tally
+from ...bytelm import ByteLM
+from ...context import check_request, current_tally
+from ...prefix import PrefixCache, configured_bytes, seed_cache
+from ...protocol import KVAccount, PromptScore
+from ...scheduler import outside_steps, run_call
+from ...state import StateMember
+from ...steps import Tree
 from .headpad import pad_rows
-from .prefix import PrefixCache, configured_bytes, seed_cache
-from .protocol import KVAccount, PromptScore
 from .rowgroups import RowGroupExecutor
-from .scheduler import outside_steps, run_call
-from .state import StateMember
-from .steps import Tree
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Member(StateMember):
     @cached_property
     def kv_per_token(self) -> int | None:
         """Bytes of KV cache per token of context (all layers, keys and values)."""
-        from .plan import kv_bytes_per_token
+        from ...plan import kv_bytes_per_token
 
         return kv_bytes_per_token(self.model.config.to_dict(), self.dtype)
 

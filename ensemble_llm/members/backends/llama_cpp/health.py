@@ -4,7 +4,7 @@ child process before this process first loads the binding, and kept in the cache
 Why: a native crash cannot be caught, and it takes the user's whole application with it. Some CPUs
 advertise instructions their virtual machine does not let a process use: ggml's AMX kernels fault
 on `ldtilecfg` in such VMs, and a wheel built with native flags and reused from pip's cache on
-another CPU dies of SIGILL. So the configurations are tried in a child (llama_probe.py), fastest
+another CPU dies of SIGILL. So the configurations are tried in a child (probe.py), fastest
 first: llama.cpp's extra buffer types on (AMX, repacked weights), then off. The verdict is kept under
 `<cache>/llama-health/`, keyed by the binding's version, its shared libraries and the CPU's flags:
 the check runs once per machine and build, and a warm start only reads a small file. Ray actors and
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .fetch import cache_root
+from ...fetch import cache_root
 
 CONFIGS = (("extra buffer types", True), ("no extra buffer types", False))  # fastest first
 PROBE_TIMEOUT = 300  # seconds for one child to load and decode a small model
@@ -89,15 +89,15 @@ def build_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-LOAD_FAILED = 3  # llama_probe.py's exit code when the file does not load: the file's fault, not the CPU's
+LOAD_FAILED = 3  # probe.py's exit code when the file does not load: the file's fault, not the CPU's
 
 
 def probe(gguf: Path, extra_bufts: bool) -> tuple[str | None, bool]:
     """(None, True) when a child loads `gguf` and decodes with this configuration; else what
     happened, and whether it says anything of this CPU and build (a file that does not load, or a
     child that did not finish in time on a loaded machine, says nothing: not kept)."""
-    script = Path(__file__).with_name("llama_probe.py")
-    # -P: the script's folder is not put on sys.path (its llama_cpp.py would shadow the binding)
+    script = Path(__file__).with_name("probe.py")
+    # -P: the script's folder is not put on sys.path (a module named like the binding would shadow it)
     cmd = [sys.executable, "-P", str(script), str(gguf), "1" if extra_bufts else "0"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=PROBE_TIMEOUT)
@@ -154,7 +154,7 @@ def _read(path: Path, key: str) -> Verdict | None:
 
 def unhealthy_error(v: Verdict, ref: str):
     """The ConfigError of a member that asks for llama.cpp where no configuration survives."""
-    from ..errors import ConfigError
+    from ....errors import ConfigError
 
     return ConfigError(
         f"member {ref!r}: llama.cpp crashes on this CPU with this build of llama-cpp-python (checked in a child "

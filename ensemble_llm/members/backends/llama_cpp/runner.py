@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, GenerationError
+from ....errors import ConfigError, GenerationError
 
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
 _INIT = threading.Lock()
@@ -108,7 +108,7 @@ class LlamaRunner:
         self, path: str, n_ctx: int, n_threads: int, n_gpu_layers: int, n_batch: int = 512, extra_bufts: bool = True
     ) -> None:
         """`extra_bufts`: llama.cpp's extra buffer types (AMX, repacked weights), where the health
-        check (llama_health.py) found this CPU survives them."""
+        check (health.py) found this CPU survives them."""
         lib = binding()
         self.lib = lib
         global _BACKEND_READY

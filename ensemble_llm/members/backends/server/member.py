@@ -21,11 +21,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ..context import current_tally
-from ..protocol import KVAccount, PromptScore
-from ..scheduler import outside_steps
-from ..state import StateMember
-from ..steps import BatchingConfig, Extend, Prefill, Score, StepCall
+from ...context import current_tally
+from ...protocol import KVAccount, PromptScore
+from ...scheduler import outside_steps
+from ...state import StateMember
+from ...steps import BatchingConfig, Extend, Prefill, Score, StepCall
 from .client import ServerClient
 from .rows import ANY_SERVER, GREEDY, ServerRow, missing
 

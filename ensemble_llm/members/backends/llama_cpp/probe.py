@@ -1,7 +1,7 @@
-"""The child side of the llama.cpp health check (llama_health.py). Run as a script, never imported
+"""The child side of the llama.cpp health check (health.py). Run as a script, never imported
 by the package: a crash here (SIGSEGV, SIGILL) ends this child, not the process that asked.
 
-Usage: python llama_probe.py MODEL.gguf EXTRA_BUFTS(0|1)
+Usage: python probe.py MODEL.gguf EXTRA_BUFTS(0|1)
 
 It loads the model on the CPU with or without llama.cpp's extra buffer types (AMX tiles and
 repacked weights), decodes a batch of tokens (the matrix-matrix kernels a prompt takes) and then
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     model = lib.llama_model_load_from_file(path.encode(), mp)
     if not model:
         print(f"llama.cpp could not load {path}", file=sys.stderr)
-        return 3  # llama_health.LOAD_FAILED: the file's fault, not the CPU's
+        return 3  # health.LOAD_FAILED: the file's fault, not the CPU's
     cp = lib.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = 256, BATCH, BATCH
     ctx = lib.llama_init_from_model(model, cp)

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from ...errors import GenerationError
-from ..context import check_request, current_deadline
+from ....errors import GenerationError
+from ...context import check_request, current_deadline
 
 RETRY_WAITS = (0.05, 0.2, 0.5, 1.0, 2.0)  # seconds before each retry, then the last one repeats
 

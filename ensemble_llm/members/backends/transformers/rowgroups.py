@@ -37,8 +37,8 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from .protocol import prompt_score
-from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree, segments
+from ...protocol import prompt_score
+from ...steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree, segments
 
 
 class RowGroupExecutor:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...errors import ConfigError
-from ..sources import GGUF_KINDS, Source, gguf_file
-from ..view import TOKENIZER_SAMPLE
+from ....errors import ConfigError
+from ...sources import GGUF_KINDS, Source, gguf_file
+from ...view import TOKENIZER_SAMPLE
+from .. import LoadRequest
 from .client import ServerClient, ServerError
 from .member import ServerMember
 
@@ -17,8 +18,8 @@ TOP_K = 20  # top log-probs asked per position: what vLLM and Ollama allow by de
 def member_tokenizer(source: Source, cache_dir, progress) -> tuple:
     """(the model's own tokenizer, the folder it was cached in or None, the GGUF file's name or ""),
     read here: from its GGUF file (without the weights) or its folder."""
-    from ..convert import load_cached_tokenizer
-    from ..loader import gguf_tokenizer_folder, local_dir
+    from ...convert import load_cached_tokenizer
+    from ...loader import gguf_tokenizer_folder, local_dir
 
     if source.kind in GGUF_KINDS:
         path = gguf_file(source, cache_dir, progress)
@@ -61,9 +62,20 @@ def check_tokenizer(member: ServerMember) -> None:
             )
 
 
-def load_server_member(source: Source, dev, dt, options, cache_dir, progress, trust_remote_code, context_tokens, slots):
-    """A member on the llama.cpp server at `options.url` (members/backends.py's loader signature)."""
-    tokenizer, folder, file = member_tokenizer(source, cache_dir, progress)
+def accepts(source: Source, options, cache_dir, progress: bool, named: bool) -> bool:
+    """Only where named (the server loaded the model; `url` says where): never picked by "auto"."""
+    if named and (options.quantization is not None or options.spans):
+        raise ConfigError(
+            f"member {source.ref!r} runs on the server at {options.url}, so quantization and "
+            "device_map/max_memory/offload_folder do not apply (the server loaded it); drop them."
+        )
+    return named
+
+
+def load_server_member(req: LoadRequest) -> ServerMember:
+    """A member on the llama.cpp server at `options.url`."""
+    source, options = req.source, req.options
+    tokenizer, folder, file = member_tokenizer(source, req.cache_dir, req.progress)
     client = ServerClient(source.name, options.url, options.timeout or 60.0)
     try:
         info = server_info(client)

@@ -1,4 +1,4 @@
-"""A member on llama.cpp: the `TokenLM` protocol over llama-cpp-python (llama_cpp.py), at the GGUF
+"""A member on llama.cpp: the `TokenLM` protocol over llama-cpp-python (runner.py), at the GGUF
 file's own quantization.
 
 Tokenization stays the transformers tokenizer read from the GGUF (`TokenizerView`), so the ids,
@@ -30,16 +30,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from .bytelm import Beam, ByteLM, Context, Hyp
-from .context import check_request, current_tally
-from .llama_cpp import LlamaRunner, Seq
-from .prefix import PrefixCache, configured_bytes
-from .protocol import IN_PROCESS, SHARES_CORES, KVAccount, PromptScore, prompt_score
-from .scheduler import outside_steps, run_call
-from .state import StateMember
-from .steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
-from .view import TOKENIZER_SAMPLE
+from ....errors import ConfigError
+from ...bytelm import Beam, ByteLM, Context, Hyp
+from ...context import check_request, current_tally
+from ...prefix import PrefixCache, configured_bytes
+from ...protocol import IN_PROCESS, SHARES_CORES, KVAccount, PromptScore, prompt_score
+from ...scheduler import outside_steps, run_call
+from ...state import StateMember
+from ...steps import BatchingConfig, Extend, Prefill, Score, StepCall, Tree
+from ...view import TOKENIZER_SAMPLE
+from .runner import LlamaRunner, Seq
 
 _SERIAL = itertools.count(1)
 PROMPT_PIECE = 32  # prompt tokens per decode, aligned (`prompt_pieces`); under llama.cpp's 64-row tiles
@@ -71,8 +71,8 @@ def open_runner(
     path: str, n_ctx: int, device: torch.device, n_threads: int | None = None, cache_dir=None
 ) -> LlamaRunner:
     """The GGUF model and its context on llama.cpp: every layer on the GPU for a CUDA device, in the
-    configuration this CPU and build survive (llama_health.py: checked in a child process first)."""
-    from .llama_health import unhealthy_error, verdict
+    configuration this CPU and build survive (health.py: checked in a child process first)."""
+    from .health import unhealthy_error, verdict
 
     v = verdict(Path(path), cache_dir)
     if not v.healthy:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol, Sequence
 
-from ...errors import CapabilityError
-from ..rows import Ready
+from ....errors import CapabilityError
+from ...rows import Ready
 
 
 class RowSource(Protocol):

@@ -2,7 +2,7 @@
 llama-cpp-python sdist vendors, and started on loopback (`launch`, for tests, benches and users
 without a server of their own).
 
-    python -m ensemble_llm.members.server.build      # prints the binary's path, building it if needed
+    python -m ensemble_llm.members.backends.server.build      # prints the binary's path, building it if needed
 
 The build takes the same CPU flags as the README's install (no native flags: on CPUs whose newest
 instructions fault under a VM, a native build crashes), the server only (no web UI, no TLS), and
@@ -24,8 +24,8 @@ from typing import Iterator, Sequence
 
 import httpx
 
-from ...errors import ConfigError
-from ..fetch import cache_root
+from ....errors import ConfigError
+from ...fetch import cache_root
 
 CPU_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON")
 SERVER_ONLY = (
@@ -57,7 +57,7 @@ def llama_server(cache_dir=None, build: bool = True) -> Path:
     if out.is_file():
         return out
     if not build:
-        raise ConfigError(f"no llama-server at {out}; run `python -m ensemble_llm.members.server.build`.")
+        raise ConfigError(f"no llama-server at {out}; run `python -m ensemble_llm.members.backends.server.build`.")
     _build(out)
     return out
 
