@@ -281,6 +281,7 @@ def _cmd_serve(args) -> int:
     if not all(importlib.util.find_spec(m) for m in ("fastapi", "pydantic", "uvicorn", "prometheus_client")):
         print('error: serving needs the serve extra: pip install "ensemble-llm[serve]"', file=sys.stderr)
         return 2
+    from .engine import Ensemble
     from .serve import serve
     from .serve_requests import Limits
 
@@ -293,21 +294,20 @@ def _cmd_serve(args) -> int:
     try:
         models = member_specs(args.models)
         print(f"[ensemble-llm] loading; then serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        kv_budget = None if args.kv_budget == "none" else args.kv_budget
+        engine = Ensemble(
+            models, args.method, device=args.device, max_batch=args.max_batch, kv_budget=kv_budget, **_placement(args)
+        )
         serve(
-            models,
-            args.method,
+            engine,
             host=args.host,
             port=args.port,
+            allowed=args.allowed_host,
             api_key=api_key,
             max_queue=args.max_queue,
             limits=limits,
-            allowed=args.allowed_host,
             cors_origins=args.cors_origin,
             docs=args.docs,
-            max_batch=args.max_batch,
-            kv_budget=None if args.kv_budget == "none" else args.kv_budget,
-            device=args.device,
-            **_placement(args),
         )
     except EnsembleError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -52,6 +52,7 @@ member copies, it says nothing).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .chat import content_text
@@ -305,16 +306,19 @@ def copy_tokens(members, texts: list[str], prompt_ids: list[list[int]], raw: boo
     return out
 
 
+@dataclass(frozen=True)
+class MemberPrompts:
+    """A request's prompt as given (text or messages, `raw` or chat) and as each member reads it:
+    its text and token ids."""
+
+    prompt: str | list[dict]
+    raw: bool
+    texts: list[str]
+    ids: list[list[int]]
+
+
 def request_weights(
-    method,
-    members: Sequence[Any],
-    prompt: str | list[dict],
-    raw: bool,
-    texts: list[str],
-    prompt_ids: list[list[int]],
-    prior: list[float],
-    main: int,
-    notes: dict[str, Any],
+    method, members: Sequence[Any], prompts: MemberPrompts, prior: list[float], main: int, notes: dict[str, Any]
 ) -> tuple[list[float], int, tuple[int, ...]]:
     """With weights="auto", this request's member weights, main member and the members the shot
     exam stepped aside: the prior with the members that fail the shot exam or copy the question
@@ -323,6 +327,7 @@ def request_weights(
     (`TokenLM.score_prompt`; the copy from its state, `greedy_after`). Other weight settings, one member,
     a prompt that shows no answer: the given weights and main member, unchanged. Findings go
     into `notes`."""
+    prompt, raw, texts, prompt_ids = prompts.prompt, prompts.raw, prompts.texts, prompts.ids
     rate, exam = method.evidence_rate(), method.exam_on()
     if not _auto(method) or len(members) < 2 or method.name == "single" or (rate == 0 and not exam):
         return prior, main, ()

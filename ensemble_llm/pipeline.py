@@ -16,7 +16,7 @@ import torch
 
 from .chat import chat_stops, member_messages, render_chat, with_preamble
 from .errors import ContextLengthError
-from .evidence import request_weights, solo_member
+from .evidence import MemberPrompts, request_weights, solo_member
 from .guide import Guide
 from .kvbudget import KVBudget
 from .members.context import current_request
@@ -86,12 +86,21 @@ def member_prompts(engine: EngineView, job: Job, tool_choice: str) -> tuple[list
     return [t + job.head for t in texts], stops
 
 
-def make_request(
-    method: Method, members: list, job: Job, texts: list[str], stops: StopPolicy, weights: list[float], main: int
-) -> tuple[Request, dict[str, Any]]:
+@dataclass(frozen=True)
+class Prompted:
+    """A request's members' prompts (`member_prompts`), its stops, and the engine's prior member
+    weights and main member for its kind of prompt."""
+
+    texts: list[str]
+    stops: StopPolicy
+    weights: list[float]
+    main: int
+
+
+def make_request(method: Method, members: list, job: Job, prompted: Prompted) -> tuple[Request, dict[str, Any]]:
     """The method's Request: every member's prompt ids (each within its context window), this
     request's member weights from its own evidence (evidence.py), the seed, the grammar."""
-    p = job.params
+    p, texts, weights, main = job.params, prompted.texts, prompted.weights, prompted.main
     prompt_ids = [m.prompt_ids(t) for m, t in zip(members, texts)]
     room = []
     for m, ids in zip(members, prompt_ids):
@@ -103,7 +112,8 @@ def make_request(
         room.append(m.context_window - len(ids))
     notes: dict[str, Any] = {}
     prior = list(weights)
-    weights, main, aside = request_weights(method, members, job.prompt, p.raw, texts, prompt_ids, weights, main, notes)
+    prompts = MemberPrompts(job.prompt, p.raw, texts, prompt_ids)
+    weights, main, aside = request_weights(method, members, prompts, weights, main, notes)
     generator = torch.Generator()
     generator.manual_seed(p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()))
     req = Request(
@@ -112,7 +122,7 @@ def make_request(
         p.temperature,
         p.top_p,
         generator,
-        stops=stops,
+        stops=prompted.stops,
         weights=weights,
         prior=prior,
         main=main,
@@ -127,10 +137,7 @@ def run_method(
     method: Method,
     members: list,
     job: Job,
-    texts: list[str],
-    stops: StopPolicy,
-    weights: list[float],
-    main: int,
+    prompted: Prompted,
     out: Output,
     cancel: threading.Event,
     budget: KVBudget | None = None,
@@ -142,9 +149,9 @@ def run_method(
     constrained = frozenset({FULL_ROWS}) if job.params.constraint else frozenset()
     what = f"method {method.name!r}" + " with constrained output" * bool(constrained)
     check_capabilities(members, method.needs() | constrained, what)
-    req, notes = make_request(method, members, job, texts, stops, weights, main)
+    req, notes = make_request(method, members, job, prompted)
     planned, planned_ids = members, req.prompt_ids
-    solo = solo_member(method, weights, req.weights, req.main, req.aside)
+    solo = solo_member(method, prompted.weights, req.weights, req.main, req.aside)
     if solo is not None:  # one member holds the prior and the evidence: it runs alone
         method = Single(members, SingleConfig(member=solo))
         notes["solo"] = members[solo].name
@@ -153,13 +160,13 @@ def run_method(
                 m.forget_prompt(req.prompt_ids[i])
         planned, planned_ids = [members[solo]], [req.prompt_ids[solo]]
     if budget is None:
-        return _run(method, job, req, notes, stops, out, cancel)
+        return _run(method, job, req, notes, prompted.stops, out, cancel)
     res = budget.plan(planned, planned_ids, req.max_new_tokens, method.kv_rows())
     ctx = current_request()
     check = ctx.check if ctx is not None and ctx.check is not None else job.check_deadline
     with budget.hold(res, check):  # the request's deadline and cancel
         notes["kv_reserved_bytes"], notes["kv_wait_s"] = sum(budget.bound([res]).values()), round(res.waited_s, 4)
-        return _run(method, job, req, notes, stops, out, cancel)
+        return _run(method, job, req, notes, prompted.stops, out, cancel)
 
 
 def _run(
@@ -217,13 +224,13 @@ def make_result(
     run: MethodRun,
     calls: list[ToolCall],
     main_prompt: str,
-    weights: list[float],
-    main: int,
     before: list[tuple[int, float, int, int, int]],
     out: Output,
 ) -> GenerationResult:
-    """The reply, its usage (the main member's tokens) and the run's figures."""
+    """The reply, its usage (the main member's tokens, `main_prompt` its prompt) and the run's
+    figures, with the request's own member weights and main member (evidence.py)."""
     members, req = engine.members, run.req
+    weights, main = req.weights, req.main
     stats = {**req.stats.to_dict(), **run.notes}
     raw_text = run.filter.text
     written = raw_text.removeprefix(job.head)  # the head was in the prompt, not generated
@@ -253,15 +260,14 @@ def run_request(engine: EngineView, method: Method, job: Job, out: Output, cance
     choice, retried, method = job.params.tool_choice, None, method.for_kind(job.params.raw)
     while True:
         texts, stops = member_prompts(engine, job, choice)
-        weights, main = engine.member_weights("raw" if job.params.raw else "chat")
+        prompted = Prompted(texts, stops, *engine.member_weights("raw" if job.params.raw else "chat"))
         job.check_deadline()  # calibrating may have used it up
-        run = run_method(method, engine.members, job, texts, stops, weights, main, out, cancel, engine.kv_budget)
-        weights, main = run.req.weights, run.req.main  # this request's own (evidence.py)
+        run = run_method(method, engine.members, job, prompted, out, cancel, engine.kv_budget)
         calls, again = tool_policy(job.prompt, run.calls, run.text, choice, run.notes)
         if not again:
             break
         choice, retried = "none", run  # only a repeated call was written: answer again without tools
-    result = make_result(engine, job, run, calls, texts[main], weights, main, before, out)
+    result = make_result(engine, job, run, calls, texts[run.req.main], before, out)
     if method.name != engine.method_name:  # auto: the method of this request's kind
         result.stats["method"] = method.name
     if retried is not None:

@@ -242,7 +242,7 @@ def _combination(engine, job, prior, main, texts, prompt_ids) -> tuple[float, li
     weighs (`Scoring.weigh`, else the prompt), combined as the method combines members."""
     import dataclasses
 
-    from .evidence import request_weights
+    from .evidence import MemberPrompts, request_weights
 
     members, method, notes = engine.members, engine._method.for_kind(job.params.raw), {}
     if job.scoring.weigh is not None:
@@ -250,9 +250,8 @@ def _combination(engine, job, prior, main, texts, prompt_ids) -> tuple[float, li
         texts, prompt_ids = _prompts(engine, weigh)
     else:
         weigh = job
-    weights, _, aside = request_weights(
-        method, members, weigh.prompt, job.params.raw, texts, prompt_ids, list(prior), main, notes
-    )
+    prompts = MemberPrompts(weigh.prompt, job.params.raw, texts, prompt_ids)
+    weights, _, aside = request_weights(method, members, prompts, list(prior), main, notes)
     tau, w = method.scoring_f(weights, prior, aside)
     return tau, w, notes
 

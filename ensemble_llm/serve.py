@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from starlette.responses import JSONResponse
 
@@ -51,7 +51,7 @@ from .results import GenerationResult
 from .serve_http import API_KEY_ENV, HostCheck, allowed_hosts, body_bytes, check_key, key_ok
 from .serve_requests import MODEL_ALIASES, ApiError, Limits, checked_request, from_engine_error, internal_error
 from .serve_scoring import Wants, echoed, prompt_only, reply_in_scoring, scored
-from .serve_stream import SlotStream, run, sse, tool_calls, usage
+from .serve_stream import Reply, SlotStream, run, sse, tool_calls, usage
 
 log = logging.getLogger("ensemble_llm.serve")
 
@@ -183,7 +183,7 @@ async def _handle(srv: Server, request, endpoint: str, chat: bool):
     try:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = sse(srv, prompts[0][0], params, rid, created, chat, include_usage, endpoint, slot)
+            events = sse(srv, prompts[0][0], params, Reply(rid, created, endpoint, chat), include_usage, slot)
             return SlotStream(events, slot)
         t0 = time.perf_counter()
         try:
@@ -335,28 +335,12 @@ async def _tokenizer_call(srv: Server, request, call: Callable[[Any, dict], dict
 
 
 def serve(
-    members: list | None,
-    method: str | None,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_queue: int = 64,
-    limits: Limits | None = None,
-    allowed: list[str] | tuple[str, ...] = (),
-    cors_origins: list[str] | tuple[str, ...] = (),
-    docs: bool = False,
-    device: str = "auto",
-    config: Any = None,
-    placement: str = "local",
-    ray_address: str | None = None,
-    member_resources: Any = None,
-    max_batch: int | str = "auto",
-    kv_budget: Any = "auto",
+    engine: Ensemble, *, host: str = "127.0.0.1", port: int = 8000, allowed: Sequence[str] = (), **app: Any
 ) -> None:
-    """Load the ensemble (members in this process, or each in a Ray actor with placement="ray"),
-    then serve it until interrupted. `allowed`: Host names answered besides the loopback names and
-    `host` (see `allowed_hosts`)."""
+    """Load `engine` (members in this process, or each in a Ray actor with placement="ray"), then
+    serve it until interrupted. `allowed`: Host names answered besides the loopback names and
+    `host` (see `allowed_hosts`); `app`: `create_app`'s settings (api_key, max_queue, limits,
+    cors_origins, docs)."""
     import uvicorn
 
     _log_to_stderr()
@@ -367,23 +351,9 @@ def serve(
             "NAME for each name (or address) clients use",
             ", ".join(hosts),
         )
-    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+    if app.get("api_key") is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who reaches it can use it (set %s)", host, API_KEY_ENV)
-    engine = Ensemble(
-        members,
-        method,
-        config,
-        device=device,
-        placement=placement,
-        ray_address=ray_address,
-        member_resources=member_resources,
-        max_batch=max_batch,
-        kv_budget=kv_budget,
-    ).load()
-    app = create_app(
-        engine, api_key=api_key, max_queue=max_queue, limits=limits, hosts=hosts, cors_origins=cors_origins, docs=docs
-    )
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(engine.load(), hosts=hosts, **app), host=host, port=port, log_level="warning")
 
 
 def _log_to_stderr() -> None:

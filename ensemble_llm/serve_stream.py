@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from starlette.responses import StreamingResponse
@@ -85,20 +86,23 @@ class SlotStream(StreamingResponse):
             self.slot.release()
 
 
+@dataclass(frozen=True)
+class Reply:
+    """Who a reply answers: its id, its creation time, its endpoint and whether it is a chat one."""
+
+    rid: str
+    created: int
+    endpoint: str
+    chat: bool
+
+
 async def sse(
-    srv: Served,
-    prompt: Any,
-    params: GenerationParams,
-    rid: str,
-    created: int,
-    chat: bool,
-    include_usage: bool,
-    endpoint: str,
-    slot: Slot,
+    srv: Served, prompt: Any, params: GenerationParams, reply: Reply, include_usage: bool, slot: Slot
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format; the generator's cancellation (a client that
     went away) reaches the engine through the stream's cleanup. A failure mid-stream is one
     OpenAI-shaped error event (a fault inside generation: generic, with the request id)."""
+    rid, created, chat, endpoint = reply.rid, reply.created, reply.chat, reply.endpoint
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta: dict | str | None, finish: str | None = None, **extra) -> str:

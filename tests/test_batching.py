@@ -15,7 +15,7 @@ from helpers import TINY_METHODS, flat, tiny_pair_for
 
 from ensemble_llm import Ensemble
 from ensemble_llm.errors import ConfigError, RequestCancelled
-from ensemble_llm.members import rowgroups
+from ensemble_llm.members.backends.transformers import rowgroups
 from ensemble_llm.members.backends.transformers.rowgroups import RowGroup, run_prefills
 from ensemble_llm.members.backends.transformers.rowgroups import run_step as _run_step
 from ensemble_llm.members.context import RequestContext, request_scope

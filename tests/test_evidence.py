@@ -15,6 +15,7 @@ from ensemble_llm.bench import load_task, resolve_task
 from ensemble_llm.evidence import (
     EXAM_BEHIND,
     FLOOR,
+    MemberPrompts,
     answer_spans,
     chat_spans,
     context_end,
@@ -27,7 +28,8 @@ from ensemble_llm.evidence import (
     span_groups,
     span_positions,
 )
-from ensemble_llm.members import PromptScore, rowgroups
+from ensemble_llm.members import PromptScore
+from ensemble_llm.members.backends.transformers import rowgroups
 from ensemble_llm.members.context import current_request
 from ensemble_llm.methods import get_method
 
@@ -386,10 +388,7 @@ def test_solo_scores_only_the_main_member_when_no_evidence_could_change_it(tiny_
         w, main, _ = request_weights(
             unite(members, unite.make_config({"solo": solo, "evidence": 1, "exam": False})),
             members,
-            FEW_SHOT,
-            True,
-            [FEW_SHOT] * 2,
-            ids,
+            MemberPrompts(FEW_SHOT, True, [FEW_SHOT] * 2, ids),
             prior,
             0,
             notes,
