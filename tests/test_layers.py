@@ -264,6 +264,34 @@ def test_no_function_is_longer_than_a_screen():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (cut them into named steps): {long}"
 
 
+# functions that take more than MAX_PARAMETERS: keyword-only settings a user passes by name, each
+# documented where it is taken (the rest take a settings object: LoadRequest, Prompted, Reply, ...)
+MAX_PARAMETERS = 8
+MANY_SETTINGS = {
+    "engine.__init__",  # Ensemble(...): the public constructor
+    "members.loader.load_member",  # public: a member's device, dtype, options, context
+    "methods.smc.smc_sample",  # the sampler's settings, tested apart (tests/test_smc.py)
+    "bench.run.run_bench",  # `ensemble-llm bench`'s flags
+    "bench.constraints.run_constraint_bench",  # `ensemble-llm bench-constraints`' flags
+}
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    many = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                key = f"{module_name(path)}.{node.name}"
+                if n > MAX_PARAMETERS and key not in MANY_SETTINGS:
+                    many.append(f"{key}: {n}")
+                if key in MANY_SETTINGS and len(a.posonlyargs + a.args) > MAX_PARAMETERS:
+                    many.append(f"{key}: its settings must be keyword-only")
+    assert not many, f"functions over {MAX_PARAMETERS} parameters (group them in a settings object): {many}"
+
+
 def test_the_engine_stays_thin():
     n = len((ROOT / "engine.py").read_text(encoding="utf-8").splitlines())
     assert n < MAX_ENGINE_LINES, f"engine.py has {n} lines; move a job out of it (see the README's layout)"

@@ -153,7 +153,10 @@ def place_members(
         if todo:
             _check_room([bundles[i] for i in todo], total)
             pg = _reserve(ray, [bundles[i] for i in todo])
-            made = _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code, opts)
+            where = None if cache_dir is None else str(cache_dir)
+            threads = [r.get("torch_threads") or max(1, int(b.get("CPU", 1))) for r, b in zip(res, bundles)]
+            args = [(specs[i], str(dtype), where, trust_remote_code, threads[i], opts[i]) for i in todo]
+            made = _start_actors(ray, pg, todo, [bundles[i] for i in todo], args)
             _ACTORS.update(_collect(ray, pg, made, keys, names, specs, bundles, cache_dir))
         return [_ACTORS[k] for k in keys]
 
@@ -190,15 +193,14 @@ def _reserve(ray, bundles: list[dict]):
     return pg
 
 
-def _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_remote_code, opts) -> list[tuple]:
-    """One MemberActor per member in `todo`, each in its bundle of `pg`: (index, actor, info ref)."""
+def _start_actors(ray, pg, todo: list[int], bundles: list[dict], args: list[tuple]) -> list[tuple]:
+    """One MemberActor per member in `todo`, each in its bundle of `pg` (`bundles`, in todo's order)
+    and made with its `args` (MemberActor's): (index, actor, info ref)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cls = ray.remote(MemberActor)
     made = []
-    for j, i in enumerate(todo):
-        b = bundles[i]
-        threads = res[i].get("torch_threads") or max(1, int(b.get("CPU", 1)))
+    for j, (i, b, a) in enumerate(zip(todo, bundles, args)):
         actor = cls.options(
             num_cpus=b.get("CPU", 0),
             num_gpus=b.get("GPU", 0),
@@ -208,9 +210,7 @@ def _start_actors(ray, pg, todo, specs, res, bundles, dtype, cache_dir, trust_re
             max_task_retries=0,
             name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=j),
-        ).remote(
-            specs[i], str(dtype), None if cache_dir is None else str(cache_dir), trust_remote_code, threads, opts[i]
-        )
+        ).remote(*a)
         made.append((i, actor, actor.info.remote()))
     return made
 

@@ -96,12 +96,11 @@ class LlamaMember(StateMember):
         n_ctx: int,
         kv_per_token: int | None,
         device: torch.device,
-        n_threads: int | None = None,
         source: str = "",
         runner: LlamaRunner | None = None,
     ) -> None:
         """`runner`: the model and context, when the caller opened them already (`open_runner`)."""
-        self.runner = runner or open_runner(path, n_ctx, device, n_threads)
+        self.runner = runner or open_runner(path, n_ctx, device)
         self.cores = self.runner.n_threads  # what a decode uses when it runs alone
         self._sharing: list[int] = []  # member counts of the parallel regions this member is in (`sharing_cores`)
         self._sharing_lock = threading.Lock()
