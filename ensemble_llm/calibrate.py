@@ -82,10 +82,10 @@ def _model_of(name: str) -> str:
 
 
 def bundled_logliks(data_digest: str, shipped_path: Path | None = None) -> dict[str, list[float]]:
-    """The bundled models' calibration log-likelihoods (and chat answers) as they ship with the package, so that a
-    first request does not spend its 18 s scoring the sample (measured here on the llama.cpp
-    pair): only entries measured on this calibration sample and on the very file the registry
-    pins now (its sha256), for the bundled name the entry is keyed by."""
+    """The bundled models' calibration log-likelihoods (and chat answers) as they ship with the
+    package, so that a first request does not spend seconds scoring the sample: only entries
+    measured on this calibration sample and on the very file the registry pins now (its sha256),
+    for the bundled name the entry is keyed by."""
     from .members.registry import BUNDLED
 
     path = shipped_path or _data_dir() / BUNDLED_LOGLIKS

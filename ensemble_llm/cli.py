@@ -605,7 +605,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def run() -> None:
     """The `ensemble-llm` command. After a local `generate` it leaves without the interpreter's
-    teardown of the loaded models (0.7 s of a warm 5 s answer here): the answer is printed and
+    teardown of the loaded models (a visible part of a warm answer): the answer is printed and
     flushed and nothing is left to save. Ray placement exits normally (ray.shutdown runs at exit)."""
     args = _parse(None)
     code = _dispatch(args)

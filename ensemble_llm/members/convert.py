@@ -1,6 +1,6 @@
 """Convert a GGUF checkpoint once into a plain transformers folder (safetensors + tokenizer files).
 
-transformers dequantizes GGUF weights at load time (20-110 s here) and then refuses
+transformers dequantizes GGUF weights at load time (slowly) and then refuses
 `save_pretrained` because the model still carries its GGUF quantizer. The weights are already
 plain floating-point tensors at that point, so we detach the quantizer the way
 `PreTrainedModel.dequantize()` does (`hf_quantizer.remove_quantization_config`) after checking
@@ -185,7 +185,7 @@ def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
 
 TOKENIZER_CACHE = ".ensemble_llm-tokenizer"  # the built tokenizer, saved in a folder we own
 _CACHE_MANIFEST = "ensemble_llm_tokenizer.json"
-TOKEN_BYTES = "token_bytes.bin"  # vocab.token_bytes of the cached tokenizer (Gemma-3: 0.3-0.45 s to build)
+TOKEN_BYTES = "token_bytes.bin"  # vocab.token_bytes of the cached tokenizer (slow to build for Gemma-3)
 _TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".txt")
 
 
@@ -226,11 +226,11 @@ def _cached(cache: Path, key: dict):
 def load_cached_tokenizer(folder: Path):
     """The tokenizer of a folder that WE wrote (a converted model, a Ray member's tokenizer files).
 
-    AutoTokenizer rebuilds Gemma's tokenizer in Python from its 33 MB tokenizer.json (about 5.4 s
-    here). Once built, it is saved with `save_pretrained` into `TOKENIZER_CACHE` inside the folder:
+    AutoTokenizer rebuilds Gemma's tokenizer in Python from its 33 MB tokenizer.json, slowly.
+    Once built, it is saved with `save_pretrained` into `TOKENIZER_CACHE` inside the folder:
     tokenizers' own `tokenizer.json` and its config, plain JSON that no load can run as code (a
     pickle in a shared cache could). Later loads read it straight into the Rust tokenizer as a
-    `PreTrainedTokenizerFast` (about 3.6 s; the same ids, offsets, decoding, special tokens and
+    `PreTrainedTokenizerFast` (faster; the same ids, offsets, decoding, special tokens and
     chat template, tested). The cache is keyed by the library versions and the source files, each
     of its files is checked against the sha256 its manifest records, and it is rebuilt on any
     mismatch; it is written under a lock, through a uniquely named folder renamed into place."""
@@ -239,7 +239,7 @@ def load_cached_tokenizer(folder: Path):
     tokenizer = _cached(cache, key)
     if tokenizer is not None:
         return tokenizer
-    from transformers import AutoTokenizer  # after the cache: importing it scans every model folder (about 1 s)
+    from transformers import AutoTokenizer  # after the cache: importing it scans every model folder
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     try:
@@ -309,7 +309,7 @@ def _list_added_tokens(folder: Path) -> None:
     """Copy tokenizer.json's added tokens into tokenizer_config.json as `added_tokens_decoder`.
 
     Without that list, every load json-parses the whole tokenizer.json in Python only to read its
-    added tokens (Gemma's 33 MB: the cached load takes 2.2 s, 0.9 s with the list). The entries are
+    added tokens (Gemma's is 33 MB: the list more than halves the cached load). The entries are
     those tokenizer.json holds, so the load builds the same AddedTokens either way (tested)."""
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -201,7 +201,7 @@ def load_member(
 
 def load_members(specs: Sequence, devices: Sequence, dtypes: Sequence, options: Sequence, progress: bool, **kw) -> list:
     """`load_member` for several members at once, in threads: llama.cpp loads its model and the
-    tokenizers parse their files outside Python's lock, so the pair is ready about 1 s sooner."""
+    tokenizers parse their files outside Python's lock, so the pair is ready sooner."""
 
     jobs = list(zip(specs, devices, dtypes, options))
     if len(jobs) == 1:

@@ -24,8 +24,8 @@ class BatchingConfig:
     # how long waiting requests wait for one that is still computing before stepping without it
     gather_s: float = 0.02
     # steps a call may be passed over for a larger group of another member (StepScheduler.take):
-    # on the bundled pair, 8 clients x 16 requests, specfuse took 34.6 s at 3, 30.1 s at 10 and
-    # 28.8 s at 20 (its requests spend a whole segment on one member); unite and safe within noise
+    # specfuse's requests spend a whole segment on one member and gain from deferring; unite and
+    # safe do not care (benchmarks/batching_throughput.py)
     max_defer: int = 10
     # transformers steps: the output layer only at the columns a call reads (False: at the step's
     # longest read in every row, as `logits_to_keep` gives it)

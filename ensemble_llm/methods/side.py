@@ -2,14 +2,13 @@
 
 They gain on different devices and in Ray actors (each computes apart), and as llama.cpp members
 on the CPU, which then split its cores (`LlamaMember.sharing_cores`): two one-thread decodes at
-once beat the same two in turn on every core (the bundled pair, one token: 7.3 and 12.0 ms side
-by side against 5.7 + 10.2 ms in turn, 2 cores). Transformers members on one device only
+once beat the same two in turn on every core. Transformers members on one device only
 contend, so they take turns. Each thread runs under the request's deadline and counts, and its
 forwards join the request's steps, as the request's own would.
 
-It pays where each thread runs many calls (specfuse's drafts of a segment: 30.0 -> 33-35 tok/s
-on the llama.cpp pair); one call each and then a barrier does not (unite's primary and views at
-every token: 50.7 against 50.3-52.9 tok/s, so unite keeps its members in turn).
+It pays where each thread runs many calls (specfuse's drafts of a segment); one call each and
+then a barrier does not (unite's primary and views at every token, so unite keeps its members in
+turn).
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ class SideBySide:
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list:
         """fn over items: in the pool's threads when `on`, else one after another here. Members that
         share the CPU take turns while other requests run: the steps then batch the requests' calls,
-        and threads of their own would split the cores under every batched step (8 clients of
-        specfuse here: 17.5 tok/s side by side against 25.4 in turn)."""
+        and threads of their own would split the cores under every batched step."""
         ctx = self.ctx
         sched = None if ctx is None or ctx.scheduler is None or not ctx.scheduler.joined(ctx) else ctx.scheduler
         if self.pool is None or (not self.apart and sched is not None and sched.batching(ctx)):

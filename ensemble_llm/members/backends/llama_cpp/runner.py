@@ -17,8 +17,8 @@ server is a separate program).
 Measured here: a step's logits for a sequence are those of the same tokens decoded alone when
 its cells sit in the same order (0.0 difference, wherever in the pool they sit); llama.cpp's
 attention sums over a sequence's cells in the order they sit in the pool, and a token that lands
-in a freed cell before the sequence's earlier ones moved the log-probs by up to 0.7 nat (through
-the int8-quantized activations); a decode's kernels also depend on how many rows it holds. So
+in a freed cell before the sequence's earlier ones moved the log-probs visibly (through the
+int8-quantized activations); a decode's kernels also depend on how many rows it holds. So
 results depend on what else the cache held and holds: llama.py keeps stored prompts outside the
 context and runs prompts in aligned pieces, so that a request run alone repeats.
 """
@@ -245,8 +245,8 @@ _LOG = []  # the callback handed to llama.cpp (kept alive here for the process: 
 def _quiet_log(lib):
     """llama.cpp's log callback: a C function that ignores its arguments (libc's `abs`, which
     reads one int and touches nothing), so the log lines (one per tensor: over a thousand for
-    Gemma-3) never wait for Python's lock. A Python callback made Gemma's model open take 1.15 s
-    instead of 0.42 s while another thread ran Python (the pair's loads do). A failed load is
+    Gemma-3) never wait for Python's lock: a Python callback slowed Gemma's model open several
+    times while another thread ran Python (the pair's loads do). A failed load is
     opened again with `_ErrorLines` to say why. Without a C library to take it from, a Python
     callback that writes the error lines to stderr."""
     if not _LOG:

@@ -5,14 +5,12 @@ A decode step multiplies every linear layer's weight by as many rows as requests
 segment and the shown answers scored for per-request weights, a few more). With the MKL that
 torch's CPU wheels ship, on 2-core AVX-512 machines (an Intel Xeon, an AMD EPYC), `linear(x, W)`
 is slow at many of those row counts:
-- the output layer (Gemma-3's 262,144 x 640, 671 MB in float32): one row is a matrix-vector
-  product that reads the weights well below the memory's speed (25-47 ms), 4 to 15 rows take
-  one pass over the weights per 3 rows (8 rows: 70-90 ms, 15 rows: 150 ms), and 16 rows a real
-  matrix product (60-90 ms);
+- the output layer (Gemma-3's 262,144 x 640): one row is a matrix-vector product that reads the
+  weights well below the memory's speed, 4 to 15 rows take one pass over the weights per 3 rows,
+  and 16 rows a real matrix product;
 - the layers inside (576 x 576 to 2048 x 640 on the bundled members), on the EPYC: 2 and 3 rows
   cost about twice one row, so a step of 2 requests cost what two steps of one did.
-The same product written the other way round, `mm(W, x.T)`, takes 2 to 8 rows in one fast pass
-(the output layer at 4 rows: about 20 ms).
+The same product written the other way round, `mm(W, x.T)`, takes 2 to 8 rows in one fast pass.
 
 So, on the CPU, each float `nn.Linear` of a model with at least MIN_IN inputs and MIN_BYTES of
 weight is timed once per process and shape: `linear` at 1 to 16 rows, and `mm(W, x.T)` at the

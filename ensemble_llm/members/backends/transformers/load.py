@@ -70,10 +70,9 @@ def bitsandbytes_config(quantization: str, dtype: torch.dtype):
 
 def torchao_config(quantization: str = "int8"):
     """transformers' TorchAoConfig for the CPU "int8": int8 per-channel weights, activations left in
-    the dtype (weight-only). On this CPU it moved SmolLM2's log-probs a third as much as torchao's
-    dynamic int8 activations x int8 weights (0.2 against 0.58 nat, top-50 tokens) and decoded faster
-    than it (optimum-quanto was far slower still). torchao's int4 weight-only layout has no CPU
-    kernel, so quantization_kwargs refuses int4 here."""
+    the dtype (weight-only): it moved SmolLM2's log-probs less than torchao's dynamic int8
+    activations x int8 weights and decoded faster than it (optimum-quanto was slower still).
+    torchao's int4 weight-only layout has no CPU kernel, so quantization_kwargs refuses int4 here."""
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
 
