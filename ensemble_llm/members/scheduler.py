@@ -1,5 +1,8 @@
 """The engine's step scheduler: the policy that turns concurrent requests' calls into steps.
 
+The loop is `StepScheduler.wait` -> `_steps_now` (who steps) -> `take` (what runs) -> `step` (run
+each group on its executor, then answer the calls), in that order below.
+
 Every request runs its method in a thread of its own and the methods stay as they are: sequential
 code asking a member to extend a state. A member turns each such ask into a typed call (steps.py)
 and hands it to `run_call`. Outside a request, or while the request runs alone, the call runs at
@@ -28,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from .context import RequestContext, current_request
+from .context import RequestContext, current_request, request_scope
 from .steps import BatchingConfig, StepCall
 
 DEFAULT_CONFIG = BatchingConfig()
@@ -47,6 +50,22 @@ def run_call(call: StepCall) -> Any:
         return sched.wait(call)
     with outside_steps():
         return executor.run_alone(call, DEFAULT_CONFIG if sched is None else sched.config)
+
+
+def batched_now(ctx: RequestContext | None) -> bool:
+    """Whether request `ctx`'s calls wait for steps now (another request runs beside it)."""
+    return ctx is not None and ctx.scheduler is not None and ctx.scheduler.batching(ctx)
+
+
+@contextlib.contextmanager
+def part_of(ctx: RequestContext | None):
+    """The block runs part of request `ctx` in a thread of its own (methods/side.py): its calls
+    join the steps as the request's would, under the request's deadline and counts."""
+    part = None if ctx is None else ctx.for_part()
+    sched = ctx.scheduler if ctx is not None and ctx.scheduler is not None else None
+    with sched.request(part) if sched is not None and sched.joined(ctx) else contextlib.nullcontext():
+        with request_scope(part):
+            yield
 
 
 @contextlib.contextmanager
@@ -120,30 +139,44 @@ class StepScheduler:
         here, and another request runs too."""
         return self.joined(ctx) and self._requests > 1
 
+    # ---- the step loop, top to bottom: wait -> who steps -> take -> step (run, update) --------
     def wait(self, call: StepCall) -> Any:
         """Queue `call` for the next step that takes it; this thread may run that step."""
-        check = call.guard
         with self._cond:
             self._pending.append(call)
             self._cond.notify_all()
             while not call.done:
-                if check is not None and call in self._pending:  # not taken by a step yet: a request
-                    try:  # cancelled or past its deadline while passed over leaves the queue at once
-                        check()
-                    except BaseException:
-                        self._pending.remove(call)
-                        self._cond.notify_all()
-                        raise
-                # every running request waits in a step (or this call has waited a gather period:
-                # a request still prefilling or scoring is not waited for longer): this thread steps
-                late = time.monotonic() - max(call.since, self._stepped) >= self.config.gather_s
-                if not self._stepping and (len(self._pending) >= self._active - self._busy or late):
+                self._leave_if_gone(call)
+                if self._steps_now(call):
                     self.step()
                 else:
                     self._cond.wait(self.config.gather_s)
         if call.error is not None:
             raise call.error
         return call.result
+
+    def _leave_if_gone(self, call: StepCall) -> None:
+        """A call no step took yet whose request was cancelled or passed its deadline leaves the
+        queue at once (its guard raises here)."""
+        if call.guard is None or call not in self._pending:
+            return
+        try:
+            call.guard()
+        except BaseException:
+            self._pending.remove(call)
+            self._cond.notify_all()
+            raise
+
+    def _steps_now(self, call: StepCall) -> bool:
+        """Who steps: this thread, when no step runs and either every running request waits with a
+        call (those inside a forward of their own are not waited for), or this call has waited a
+        gather period since it came or since the last step (a request still doing Python work is
+        not waited for longer)."""
+        if self._stepping:
+            return False
+        everyone = len(self._pending) >= self._active - self._busy
+        late = time.monotonic() - max(call.since, self._stepped) >= self.config.gather_s
+        return everyone or late
 
     def take(self) -> list[list[StepCall]]:
         """The groups the next step runs (see the module). Running every group each step would keep

@@ -17,9 +17,9 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Sequence
 
-from ..members.context import current_request, request_scope
+from ..members.context import current_request
 from ..members.protocol import SHARES_CORES
-from ..members.scheduler import outside_steps
+from ..members.scheduler import batched_now, outside_steps, part_of
 
 
 def sharing_cpu(members: Sequence[Any]) -> list:
@@ -42,14 +42,11 @@ class SideBySide:
         """fn over items: in the pool's threads when `on`, else one after another here. Members that
         share the CPU take turns while other requests run: the steps then batch the requests' calls,
         and threads of their own would split the cores under every batched step."""
-        ctx = self.ctx
-        sched = None if ctx is None or ctx.scheduler is None or not ctx.scheduler.joined(ctx) else ctx.scheduler
-        if self.pool is None or (not self.apart and sched is not None and sched.batching(ctx)):
+        if self.pool is None or (not self.apart and batched_now(self.ctx)):
             return [fn(x) for x in items]
 
         def guarded(x):  # each thread's forwards join the steps, as the request's would
-            part = None if ctx is None else ctx.for_part()
-            with sched.request(part) if sched else contextlib.nullcontext(), request_scope(part):
+            with part_of(self.ctx):
                 return fn(x)
 
         with outside_steps(), contextlib.ExitStack() as sharing:  # the steps wait for the threads, not this one
