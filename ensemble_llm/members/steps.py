@@ -83,11 +83,13 @@ class Extend(StepCall):
 @dataclass(eq=False)
 class Score(StepCall):
     """specfuse's candidates after a state, each seeing the state and itself only; their positions
-    stay until keep_candidate / drop_candidates. `opts`: a Ray actor's (raw_logits, keep)."""
+    stay until keep_candidate / drop_candidates. `raw_logits` and `keep`: score_inline's, for an
+    executor that scores and keeps them itself (a Ray actor's member)."""
 
     kind: ClassVar[str] = "step"
     cands: list[list[int]] = field(default_factory=list)
-    opts: tuple = ()
+    raw_logits: bool = False
+    keep: bool = False
 
     @property
     def new(self) -> list[int]:

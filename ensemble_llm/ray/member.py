@@ -82,7 +82,7 @@ class RayExecutor:
             m.forward("extend", call.state.handle.id, rows.handle.id, call.tokens, call.last_only)
             return rows
         if isinstance(call, Score):
-            return Pending(m, m.forward("score_inline", call.state.handle.id, call.cands, *call.opts))
+            return Pending(m, m.forward("score_inline", call.state.handle.id, call.cands, call.raw_logits, call.keep))
         if isinstance(call, Tree) and call.tree[0] == "bytelm":  # (_, byte LM handle, beam handles)
             return m.ask("bytelm_next", call.tree[1], call.tree[2])
         raise ValueError(f"a member in a Ray actor does not run {type(call).__name__} calls")
@@ -303,7 +303,8 @@ class RayMember(TokenizerView):
         if not cands or any(len(c) == 0 for c in cands):
             raise ValueError("score_inline needs non-empty candidates")
         self.ensure_next(state)
-        part = run_call(Score(self, state, cands=cands, opts=(bool(raw_logits), bool(keep))))  # with the others'
+        call = Score(self, state, cands=cands, raw_logits=bool(raw_logits), keep=bool(keep))
+        part = run_call(call)  # with the others' steps
         out = part.get()
         state.scored = cands if keep else None
         return [torch.tensor(x) for x in out]
@@ -378,7 +379,7 @@ class RayMember(TokenizerView):
                     c.result = RemoteRows(self, 1 if c.last_only else len(c.new))
                     items.append(("extend", c.state.handle.id, c.result.handle.id, c.new, c.last_only, tag))
                 else:
-                    items.append(("score", c.state.handle.id, c.cands, *c.opts, tag))
+                    items.append(("score", c.state.handle.id, c.cands, c.raw_logits, c.keep, tag))
             ref = self.submit("step", items, count=False, tags=())
             for i, c in enumerate(calls):
                 if isinstance(c, Score):
