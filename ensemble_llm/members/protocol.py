@@ -20,6 +20,8 @@ from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from .rows import Row
+
 
 class PromptScore(NamedTuple):
     """A scored prompt token (`score_prompt`): log p(token | the ids before it), and how far that
@@ -109,13 +111,14 @@ class TokenLM(Protocol):
     # ---- KV state ----------------------------------------------------------------------------
     def prefill(self, ids: Sequence[int]) -> Any: ...
 
-    def extend(self, state: Any, ids: Sequence[int], last_only: bool = False) -> torch.Tensor: ...
+    # rows after each of ids (a [n, V] tensor here, a sequence of RowHandle elsewhere: rows.py)
+    def extend(self, state: Any, ids: Sequence[int], last_only: bool = False) -> Sequence[Row]: ...
 
     def crop(self, state: Any, n: int) -> None: ...
 
     def scratch(self, state: Any) -> AbstractContextManager[Any]: ...
 
-    def ensure_next(self, state: Any) -> torch.Tensor: ...
+    def ensure_next(self, state: Any) -> Row: ...
 
     # ---- in-line scoring and whole prompts ---------------------------------------------------------
     def score_inline(

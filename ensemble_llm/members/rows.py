@@ -9,9 +9,32 @@ sent at once, so asking every member's row before reading any answer lets their 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, Union
 
 import torch
+
+
+class Answer(Protocol):
+    """A question's answer: here already (`Ready`), or on its way (a Ray actor's `Pending`)."""
+
+    def get(self) -> Any: ...
+
+
+class RowHandle(Protocol):
+    """A row that lives elsewhere (a Ray actor's `RemoteRow`, a server's `ServerRow`): it answers
+    the questions below, small, instead of handing over its [V] values."""
+
+    @property
+    def shape(self) -> tuple[int]: ...
+
+    def top(self, n: int) -> Answer: ...  # (values, ids) of the n largest, largest first
+    def take(self, ids: Sequence[int]) -> Answer: ...  # the values at ids
+    def query(self, ids: Sequence[int]) -> Answer: ...  # (argmax, the values at ids)
+
+
+# the one row type of TokenLM: log p(. | context) as a tensor [V] in this process, else a handle;
+# the methods ask it through this module's functions, whichever it is
+Row = Union[torch.Tensor, RowHandle]
 
 
 class Ready:
