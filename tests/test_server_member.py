@@ -70,6 +70,12 @@ def test_rows_and_scores_match_the_member_in_process(pair):
         assert x.tolist() == pytest.approx(y.tolist(), abs=TOL)
     for x, y in zip(local.score_prompt(ids + more, [3, 4, 7]), remote.score_prompt(ids + more, [3, 4, 7])):
         assert (x.logprob, x.gap) == pytest.approx((y.logprob, y.gap), abs=TOL)
+    # the scored prompt's state, handed to the prefill that follows (as a request with per-request
+    # weights runs it), holds its next row: the methods read it at once
+    before = remote.client.requests
+    x, y = local.prefill(ids + more).next_logprobs, remote.prefill(ids + more).next_logprobs
+    assert remote.client.requests == before and y is not None
+    assert R.top(x, 3)[1] == R.top(y, 3)[1]
     assert local.target_logprob(ids, more) == pytest.approx(remote.target_logprob(ids, more), abs=5 * TOL)
     assert local.greedy_after(ids, more[:1]) == remote.greedy_after(ids, more[:1])
 

@@ -243,11 +243,11 @@ class ServerMember(StateMember):
 
     # ---- the executor's calls: a request or two on the wire each -------------------------------
     def run_prompt(self, state: ServerState, ids: list[int], positions: list[int] | None) -> Any:
-        """A prompt into `state`: its next row, or (with `positions`) each position's PromptScore,
-        a forced run per run of consecutive positions; the next row is then asked when needed."""
+        """A prompt into `state` with its next row (a prefill's answer), and with `positions` each
+        position's PromptScore too (a forced run per run of consecutive positions)."""
+        state.next_logprobs = self._ahead(ids)
+        state.ids = list(ids)
         if positions is None:
-            state.next_logprobs = self._ahead(ids)
-            state.ids = list(ids)
             return [state.next_logprobs]
         scores = {}
         for run in _runs(sorted(set(positions))):
@@ -255,7 +255,6 @@ class ServerMember(StateMember):
             for q, row in zip(run, rows):
                 best = row.values[row.order[0]]
                 scores[q] = PromptScore(row.values[ids[q]], row.values[ids[q]] - best)
-        state.ids, state.next_logprobs = list(ids), None
         return [scores[q] for q in positions]
 
     def run_extend(self, state: ServerState, ids: list[int], last_only: bool) -> list[ServerRow]:
