@@ -62,6 +62,11 @@ class MemberOptions:
         """True when accelerate places the layers (the member may span devices)."""
         return self.device_map is not None
 
+    @property
+    def transformers_only(self) -> bool:
+        """True when an option only transformers applies is set (quantization, accelerate's placement)."""
+        return self.quantization is not None or self.spans
+
     def device_map_arg(self) -> str | dict:
         return self.device_map if isinstance(self.device_map, str) else dict(self.device_map or ())
 

@@ -24,7 +24,7 @@ def accepts(source: Source, options: MemberOptions, cache_dir, progress: bool, n
     survives its build (health.py; with backend="auto" a crash falls back to transformers, with
     one line that says why)."""
     gguf = source.kind in GGUF_KINDS
-    only_hf = options.quantization is not None or options.spans
+    only_hf = options.transformers_only
     if not named:
         if not (gguf and not only_hf and installed()):
             return False

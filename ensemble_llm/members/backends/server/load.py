@@ -64,7 +64,7 @@ def check_tokenizer(member: ServerMember) -> None:
 
 def accepts(source: Source, options, cache_dir, progress: bool, named: bool) -> bool:
     """Only where named (the server loaded the model; `url` says where): never picked by "auto"."""
-    if named and (options.quantization is not None or options.spans):
+    if named and options.transformers_only:
         raise ConfigError(
             f"member {source.ref!r} runs on the server at {options.url}, so quantization and "
             "device_map/max_memory/offload_folder do not apply (the server loaded it); drop them."
