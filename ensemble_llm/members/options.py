@@ -46,7 +46,7 @@ class MemberOptions:
     a call may wait) for backend="server", whose model runs in the server at `url`.
     max_memory or offload_folder without a device_map mean device_map="auto". quantization: None
     (the dtype's own weights), "int8" or "int4": the linear layers' weights are quantized as they
-    load (bitsandbytes on CUDA, torchao on CPU; members/loader.py quantization_kwargs)."""
+    load (bitsandbytes on CUDA, torchao on CPU; members/backends/transformers/load.py quantization_kwargs)."""
 
     revision: str | None = None
     device_map: str | tuple[tuple[str, int | str], ...] | None = None
