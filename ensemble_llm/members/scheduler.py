@@ -62,7 +62,7 @@ def part_of(ctx: RequestContext | None):
     """The block runs part of request `ctx` in a thread of its own (methods/side.py): its calls
     join the steps as the request's would, under the request's deadline and counts."""
     part = None if ctx is None else ctx.for_part()
-    sched = ctx.scheduler if ctx is not None and ctx.scheduler is not None else None
+    sched = None if ctx is None else ctx.scheduler
     with sched.request(part) if sched is not None and sched.joined(ctx) else contextlib.nullcontext():
         with request_scope(part):
             yield
