@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .chat import content_text
+from .chat import content_text, render_chat
 from .members import PromptScore
 
 MAX_LABEL = 40  # a label is a short line prefix ("A:", "Answer:", "Past participle:")
@@ -289,23 +289,6 @@ def _examined(plans: list[list[list[int]]]) -> list[list[list[int]]]:
     return [g[len(g) - n :] if n else [] for g in plans]
 
 
-def copy_tokens(members, texts: list[str], prompt_ids: list[list[int]], raw: bool) -> list[list[int]] | None:
-    """Per member, the tokens of the reply that copies the query's question (`query_copy`) after
-    its prompt's, or None where there is none, it is over COPY_TOKENS tokens or past a member's
-    context window, or a member's tokens of prompt and copy do not begin with its prompt's tokens
-    (the copy is not a continuation)."""
-    if not raw:
-        return None
-    out = []
-    for m, text, ids in zip(members, texts, prompt_ids):
-        copy = query_copy(text)
-        ext = m.prompt_ids(text + copy) if copy else []
-        if not 0 < len(ext) - len(ids) <= COPY_TOKENS or len(ext) >= m.context_window or ext[: len(ids)] != list(ids):
-            return None
-        out.append(ext[len(ids) :])
-    return out
-
-
 @dataclass(frozen=True)
 class MemberPrompts:
     """A request's prompt as given (text or messages, `raw` or chat) and as each member reads it:
@@ -315,6 +298,75 @@ class MemberPrompts:
     raw: bool
     texts: list[str]
     ids: list[list[int]]
+
+
+def chat_copy(turns: Sequence[tuple[str, str]]) -> str | None:
+    """The reply that would copy the query's question in a chat whose earlier turns show answers:
+    the last user turn's content (stripped). None where the conversation does not end with a user
+    turn, no assistant turn answers a user turn, or a shown answer is its own question (then a
+    copy may be what the task asks for)."""
+    if not turns or turns[-1][0] != "user" or not turns[-1][1].strip():
+        return None
+    pairs = [(q, a) for (r0, q), (r1, a) in zip(turns, turns[1:]) if r0 == "user" and r1 == "assistant"]
+    if not pairs or any(a.strip() == q.strip() for q, a in pairs):
+        return None
+    return turns[-1][1].strip()
+
+
+def _chat_reply(member, copy: str) -> str | None:
+    """`copy` as this member's whole assistant turn, from where its prompt ends: the template's
+    rendering of the reply (its end-of-turn marker after it), or, in the plain transcript, the
+    reply and the newline that ends it. None where the template does not render the turn after
+    its generation prompt."""
+    if not member.has_chat_template:
+        return copy + "\n"
+    asked = [{"role": "user", "content": "?"}]
+    head = render_chat(member, asked)
+    full = render_chat(member, asked + [{"role": "assistant", "content": copy}], add_generation_prompt=False)
+    return full[len(head) :] if full.startswith(head) and copy in full[len(head) :] else None
+
+
+def _through(member, tail: Sequence[int], n_bytes: int) -> list[int]:
+    """The first tokens of `tail` that hold its first `n_bytes` bytes, and the token after them
+    (the copy's end: its newline, or the template's end-of-turn marker)."""
+    got = 0
+    for j, t in enumerate(tail):
+        if got >= n_bytes:
+            return list(tail[: j + 1])
+        got += len(member.vocab_bytes[t])
+    return list(tail)
+
+
+def _copy_text(member, prompts: MemberPrompts, k: int) -> tuple[str, int] | None:
+    """Member k's prompt text followed by the copy, and the bytes of the copy before its end."""
+    text = prompts.texts[k]
+    if prompts.raw:
+        copy = query_copy(text)
+        return (text + copy, len(copy.encode("utf-8")) - 1) if copy else None
+    turns = [(m.get("role"), content_text(m.get("content"))) for m in prompts.prompt]
+    copy = chat_copy(turns)
+    reply = _chat_reply(member, copy) if copy else None
+    if reply is None:
+        return None
+    return text + reply, len(reply[: reply.find(copy) + len(copy)].encode("utf-8"))
+
+
+def copy_tokens(members, prompts: MemberPrompts) -> list[list[int]] | None:
+    """Per member, the tokens of the reply that copies the query's question after its prompt's:
+    in a raw few-shot prompt `query_copy` (its newline included), in a chat `chat_copy` (the
+    member's end-of-turn marker after it). None where there is none, it is over COPY_TOKENS tokens
+    or past a member's context window, or a member's tokens of prompt and copy do not begin with
+    its prompt's tokens (the copy is not a continuation)."""
+    if not prompts.raw and isinstance(prompts.prompt, str):
+        return None
+    out = []
+    for k, (m, ids) in enumerate(zip(members, prompts.ids)):
+        found = _copy_text(m, prompts, k)
+        ext = m.prompt_ids(found[0]) if found else []
+        if not 0 < len(ext) - len(ids) <= COPY_TOKENS or len(ext) >= m.context_window or ext[: len(ids)] != list(ids):
+            return None
+        out.append(_through(m, ext[len(ids) :], found[1]))
+    return out
 
 
 def request_weights(
@@ -336,7 +388,7 @@ def request_weights(
         return prior, main, ()
     examined = _examined(plans) if exam else [[] for _ in plans]
     weighed = [[p for g in groups for p in g][-MAX_POSITIONS:] if rate else [] for groups in plans]
-    copies = copy_tokens(members, texts, prompt_ids, raw) if exam else None
+    copies = copy_tokens(members, prompts) if exam else None
     scored: list[tuple | None] = [None] * len(members)
 
     def score(k: int) -> tuple[float, float, bool]:  # (shot exam, evidence, writes the copy)

@@ -129,6 +129,7 @@ def make_request(method: Method, members: list, job: Job, prompted: Prompted) ->
         aside=aside,
         guide=Guide(p.constraint, members) if p.constraint else None,
         trace=[] if p.trace else None,
+        turn_ends=[] if p.raw else [next(iter(chat_stops(m)), "") for m in members],
     )
     return req, notes
 

@@ -241,3 +241,63 @@ def test_duplicate_spellings_resolve_to_the_canonical_token(tiny_members):
     fallback = gemma.tokenizer.convert_tokens_to_ids("<0x2E>")
     assert gemma.vocab_bytes[fallback] == b"."
     assert idx.by_bytes[b"."] == gemma.encode(".")[0] != fallback
+
+
+class _Ends:
+    """A turn end whose probability is given (the maths of `end_turns` alone)."""
+
+    def __init__(self, q: float) -> None:
+        self.q = q
+
+    def probability(self) -> float:
+        return self.q
+
+
+def test_end_turns_moves_the_part_of_a_members_newline_that_starts_a_turn_to_eos():
+    from ensemble_llm.methods.align import NEWLINE, end_turns
+
+    keys = [b" a", NEWLINE, EOS]
+    per_member = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.4, 0.4]])
+    out = end_turns(keys, per_member, [None, _Ends(0.25), _Ends(1.0)])
+    assert torch.equal(out[0], per_member[0])  # no turn end: as it was
+    assert torch.allclose(out[1], torch.tensor([0.1, 0.45, 0.45]))  # 0.6 * 0.25 moved
+    assert torch.allclose(out[2], torch.tensor([0.2, 0.0, 0.8]))
+    assert torch.allclose(out.sum(1), per_member.sum(1)) and torch.equal(per_member[1, 1], torch.tensor(0.6))
+
+
+def test_turn_end_probability_against_a_fresh_scoring_of_the_transcript(tiny_members):
+    """p("User:" | text up to byte b, newline) from the view's state, at two bytes in either order
+    (the second probe extends what the first cropped), equals the member's own scoring of the
+    whole sequence from scratch; a later sync gives the rows a fresh view gives."""
+    from ensemble_llm.chat import PLAIN_STOPS, render_chat
+    from ensemble_llm.methods.align import NEWLINE, TurnEnd
+
+    m = tiny_members["gemma"]
+    assert not m.has_chat_template
+    ids = m.prompt_ids(render_chat(m, [{"role": "user", "content": "Where is Lima?"}]))
+    text = "Lima is in Peru. It is the capital. Yes"
+    view = CanonicalView.start(m, ids)
+    view.sync(text)
+    end = TurnEnd.of(view, PLAIN_STOPS[0])
+    nl = vocab_index(m).by_bytes[NEWLINE]
+    assert end is not None and end.newline == nl and m.decode(end.header) == "User:"
+    for at in (len("Lima is in Peru. It is the capital."), len("Lima is in Peru."), len(text)):
+        assert at in view.rows
+        end.at = at
+        got = end.probability()
+        ref = math.exp(m.target_logprob(ids + m.encode(text[:at]) + [nl], end.header))
+        assert got == pytest.approx(ref, rel=1e-4)
+    longer = text + " indeed."
+    view.sync(longer, from_byte=len(text))
+    fresh = CanonicalView.start(m, ids)
+    fresh.sync(longer, from_byte=len(text))
+    assert len(text) in view.rows and set(view.rows) <= set(fresh.rows)
+    for b in view.rows:
+        assert torch.allclose(view.rows[b], fresh.rows[b], atol=1e-4)
+
+
+def test_turn_end_needs_the_members_own_newline_first(tiny_members):
+    from ensemble_llm.methods.align import TurnEnd
+
+    view = CanonicalView.start(tiny_members["gemma"], [2, 10])
+    assert TurnEnd.of(view, "User:") is None  # no newline first: nothing to read it from

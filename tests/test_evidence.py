@@ -485,6 +485,32 @@ def test_a_member_that_copies_the_question_steps_aside(real_dirs, method):
     assert "copy" not in off.generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"]).stats
 
 
+PLURAL_TURNS = [
+    {"role": "user", "content": "market"},
+    {"role": "assistant", "content": "markets"},
+    {"role": "user", "content": "quarrel"},
+    {"role": "assistant", "content": "quarrels"},
+    {"role": "user", "content": "dissenter"},
+    {"role": "assistant", "content": "dissenters"},
+    {"role": "user", "content": "reward"},
+]
+
+
+@pytest.mark.parametrize("method", ["safe", "unite"])
+def test_a_chat_member_that_copies_the_question_steps_aside(real_dirs, method):
+    """Shots as chat turns (the dev plurals): Gemma-3's whole reply to "reward" would be "reward"
+    (in its plain transcript, the word and the newline that ends the turn), which no shown answer
+    is; SmolLM2's is "rewards". Gemma steps aside and the text is SmolLM2's own."""
+    smol, gemma = real_dirs[SMOL], real_dirs[GEMMA]
+    eng = Ensemble([smol, gemma], method=method).load()
+    names = [m.name for m in eng.members]
+    res = eng.generate(PLURAL_TURNS, max_new_tokens=8)
+    assert res.stats["copy"] == [names[1]] == res.stats["aside"] and res.stats["solo"] == names[0]
+    alone = Ensemble([smol], method="single").generate(PLURAL_TURNS, max_new_tokens=8)
+    copier = Ensemble([gemma], method="single").generate(PLURAL_TURNS, max_new_tokens=8)
+    assert res.text == alone.text == "rewards" and copier.text == "reward"
+
+
 def test_query_copy_reads_the_question_and_defers_to_shots_that_copy():
     from ensemble_llm.evidence import query_copy
 
@@ -502,17 +528,59 @@ def test_query_copy_reads_the_question_and_defers_to_shots_that_copy():
 
 
 def test_copy_tokens_are_a_short_continuation_of_the_prompt(tiny_members):
-    from ensemble_llm.evidence import COPY_TOKENS, copy_tokens
+    from ensemble_llm.evidence import COPY_TOKENS, MemberPrompts, copy_tokens
 
     members = [tiny_members["smol"], tiny_members["gemma"]]
     ids = [m.prompt_ids(DEMONYM) for m in members]
-    tails = copy_tokens(members, [DEMONYM] * 2, ids, True)
+    tails = copy_tokens(members, MemberPrompts(DEMONYM, True, [DEMONYM] * 2, ids))
     assert [m.prompt_ids(DEMONYM + " Lithuania\n") for m in members] == [i + t for i, t in zip(ids, tails)]
     assert [m.decode(t) for m, t in zip(members, tails)] == [" Lithuania\n"] * 2
-    assert copy_tokens(members, [DEMONYM] * 2, ids, False) is None  # chat: no copy test
+    chat = MemberPrompts(DEMONYM, False, [DEMONYM] * 2, ids)
+    assert copy_tokens(members, chat) is None  # one user message: no shown answer
     long = DEMONYM.replace("Lithuania", " ".join(["Lithuania"] * COPY_TOKENS))
     long_ids = [m.prompt_ids(long) for m in members]
-    assert copy_tokens(members, [long] * 2, long_ids, True) is None  # the test could extend by as much
+    assert copy_tokens(members, MemberPrompts(long, True, [long] * 2, long_ids)) is None  # could extend by as much
+
+
+TURNS = [
+    {"role": "user", "content": "run"},
+    {"role": "assistant", "content": "ran"},
+    {"role": "user", "content": "see"},
+    {"role": "assistant", "content": "saw"},
+    {"role": "user", "content": "forgive"},
+]
+
+
+def test_chat_copy_is_the_last_user_turn_unless_a_shown_answer_copies_its_question():
+    from ensemble_llm.evidence import chat_copy
+
+    turns = [(m["role"], m["content"]) for m in TURNS]
+    assert chat_copy(turns) == "forgive"
+    assert chat_copy(turns[:1]) is None  # no shown answer
+    assert chat_copy(turns[:4]) is None  # the assistant spoke last
+    assert chat_copy(turns[:2] + [("user", "sheep"), ("assistant", " sheep "), ("user", "cat")]) is None
+    assert chat_copy([("system", "Be brief."), *turns]) == "forgive"
+    assert chat_copy(turns[:4] + [("user", "  ")]) is None  # an empty question
+
+
+def test_chat_copy_tokens_end_with_each_members_end_of_turn(tiny_members):
+    """In a chat, the copy is the question as the member's whole reply: with a template, the
+    question and the template's end-of-turn marker; in the plain transcript, the question and the
+    newline that ends the turn. Both continue the member's prompt tokens."""
+    from ensemble_llm.chat import render_chat
+    from ensemble_llm.evidence import MemberPrompts, copy_tokens
+
+    members = [tiny_members["smol"], tiny_members["gemma"]]
+    assert [m.has_chat_template for m in members] == [True, False]
+    texts = [render_chat(m, TURNS) for m in members]
+    ids = [m.prompt_ids(t) for m, t in zip(members, texts)]
+    tails = copy_tokens(members, MemberPrompts(TURNS, False, texts, ids))
+    full = render_chat(members[0], TURNS + [{"role": "assistant", "content": "forgive"}], add_generation_prompt=False)
+    smol_ids = members[0].prompt_ids(full)
+    assert smol_ids[: len(ids[0]) + len(tails[0])] == ids[0] + tails[0]
+    assert members[0].decode(tails[0][:-1]) == "forgive" and tails[0][-1] in members[0].special_ids
+    assert members[1].prompt_ids(texts[1] + "forgive\n") == ids[1] + tails[1]
+    assert members[1].decode(tails[1]) == "forgive\n"
 
 
 def test_greedy_after_reads_the_scored_state_and_leaves_it_for_the_prefill(tiny_members):

@@ -116,6 +116,18 @@ def test_real_pair_gives_well_formed_text(real_dirs, method):
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("method", ["safe", "unite"])
+def test_real_pair_ends_the_reply_where_the_transcript_member_ends_its_turn(real_dirs, method):
+    """Gemma-3 has no chat template: in its plain transcript a reply ends with a newline and
+    "User:". Its newline after a finished sentence is mostly that end; counted as text, it was
+    written and the reply started over ("...on Earth.\n\nThe tallest mountain in the world is
+    Mount Kilauea..."). Counted as the end it is, the reply ends there."""
+    ask = [{"role": "user", "content": "What is the tallest mountain in the world?"}]
+    res = Ensemble(list(DEFAULT_MODELS), method=method).generate(ask, max_new_tokens=48)
+    assert res.finish_reason == "stop" and "Everest" in res.text and "\n" not in res.text
+
+
+@pytest.mark.real
 @pytest.mark.parametrize("method", ["unite", "safe"])
 def test_real_pair_keeps_the_word_both_members_write(real_dirs, method):
     """plural, "tonne": SmolLM2 writes " ton" + "nes", Gemma-3 " tonnes"; both alone answer "tonnes".

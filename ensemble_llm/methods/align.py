@@ -9,6 +9,7 @@ member's EOS ids map to one key, `EOS`; other special tokens never take part.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -53,14 +54,26 @@ class UnionDist:
 
 
 def union_distribution(
-    members: Sequence[Member], rows: Sequence[torch.Tensor], weights: Sequence[float], k: int, onto_main: bool = False
+    members: Sequence[Member],
+    rows: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    k: int,
+    onto_main: bool = False,
+    turn_ends: Sequence[TurnEnd | None] = (),
+    argmax_only: bool = False,
 ) -> UnionDist:
     """UniTE: union of every member's top-k keys; each member's logits on the union (a key it
     lacks gets its first sub-token's logit), softmax per member, weighted average.
 
     `onto_main`: a member's mass is read on the keys it has as tokens only, and every key's mass
     goes to the main member's (members[0]) first token of it, so the keys are the main member's
-    tokens (`onto_main_tokens`)."""
+    tokens (`onto_main_tokens`).
+
+    `turn_ends[i]` (a member whose reply ends with a newline and the next turn's header, in a plain
+    chat transcript; None: its EOS ends it): where a newline is in the union, the part of member
+    i's newline mass that starts the next turn moves to EOS (`end_turns`). With `argmax_only` (the
+    caller picks the argmax) it is read only where moving all of that mass could change the
+    argmax (`could_end`): elsewhere the pick is the same."""
     keys: list[Key] = []
     # every member's row is asked before any answer is read: remote members answer in parallel
     tops = [top_async(row, 4 * k + 8) for row in rows]
@@ -68,17 +81,63 @@ def union_distribution(
         for key in keys_of_top(m, t.get()[1], k):
             if key not in keys:
                 keys.append(key)
+    ends = NEWLINE in keys and any(turn_ends)
+    if ends and EOS not in keys:
+        keys.append(EOS)
     asks = []
     for m, row in zip(members, rows):
         ids, spans = vocab_index(m).key_ids(keys, exact=onto_main)
         asks.append((take_async(row, ids), spans))
     logits = torch.tensor([VocabIndex.key_logprobs(keys, a.get(), spans) for a, spans in asks])
     per_member = torch.softmax(logits, dim=-1)
-    if onto_main:
-        keys, per_member = onto_main_tokens(members[0], keys, per_member)
     w = torch.tensor(list(weights), dtype=per_member.dtype)
-    probs = (w[:, None] * per_member).sum(0) / w.sum()
-    return UnionDist(keys, probs, per_member)
+    dist = _weighted(members[0], keys, per_member, w, onto_main)
+    if ends and (not argmax_only or could_end(keys, per_member, w, turn_ends, dist)):
+        dist = _weighted(members[0], keys, end_turns(keys, per_member, turn_ends), w, onto_main)
+    return dist
+
+
+def _weighted(main: Member, keys: list[Key], per_member: torch.Tensor, w: torch.Tensor, onto_main: bool) -> UnionDist:
+    if onto_main:
+        keys, per_member = onto_main_tokens(main, keys, per_member)
+    return UnionDist(keys, (w[:, None] * per_member).sum(0) / w.sum(), per_member)
+
+
+def could_end(
+    keys: list[Key], per_member: torch.Tensor, w: torch.Tensor, turn_ends: Sequence[TurnEnd | None], dist: UnionDist
+) -> bool:
+    """Whether moving the turn-ending members' whole newline mass (at most M of the ensemble's)
+    from the newline's key to EOS could change `dist`'s argmax: EOS could pass the top key, or
+    the newline, on top, could fall to another key or to EOS."""
+    nl = keys.index(NEWLINE)
+    moving = sum(float(w[i] * per_member[i, nl]) for i, e in enumerate(turn_ends) if e is not None) / float(w.sum())
+    p = dist.probs.tolist()
+    eos = dist.keys.index(EOS)
+    into = next((j for j, key in enumerate(dist.keys) if key is not EOS and NEWLINE.startswith(key)), None)
+    if into is None:
+        return True
+    top = max(range(len(p)), key=p.__getitem__)
+    if top == eos:
+        return False
+    if top != into:
+        return p[eos] + moving >= p[top]
+    rest = max((x for j, x in enumerate(p) if j not in (into, eos)), default=0.0)
+    return p[into] - moving <= max(rest, p[eos] + moving)
+
+
+def end_turns(keys: list[Key], per_member: torch.Tensor, turn_ends: Sequence[TurnEnd | None]) -> torch.Tensor:
+    """Each member with a turn end: of its mass on the newline, the part that its next turn's
+    header would follow (`TurnEnd.probability`) moves to EOS. A plain transcript ends a reply with
+    a newline and "User:"; read as text, that newline is a vote to end, and without the move it
+    is written as text and the reply starts over (the other members never end on it)."""
+    out = per_member.clone()
+    nl, eos = keys.index(NEWLINE), keys.index(EOS)
+    for i, end in enumerate(turn_ends):
+        if end is not None and float(out[i, nl]) > 0:
+            moved = out[i, nl] * end.probability()
+            out[i, nl] -= moved
+            out[i, eos] += moved
+    return out
 
 
 def onto_main_tokens(main: Member, keys: list[Key], per_member: torch.Tensor) -> tuple[list[Key], torch.Tensor]:
@@ -153,6 +212,8 @@ class CanonicalView:
     state: KVState
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # byte boundary -> log p(next)
     next_tok: dict[int, int] = field(default_factory=dict)  # byte boundary -> its own next token
+    tokens: dict[int, int] = field(default_factory=dict)  # byte boundary -> the state's tokens up to it
+    synced: list[int] = field(default_factory=list)  # the state's ids after the last sync
 
     @classmethod
     def start(cls, member: Member, prompt_ids: list[int]) -> "CanonicalView":
@@ -175,13 +236,58 @@ class CanonicalView:
         keep = min(lcp, first)
         m.crop(self.state, keep)
         logp = m.extend(self.state, full[keep:])
-        self.rows, self.next_tok = {}, {}
+        self.rows, self.next_tok, self.tokens, self.synced = {}, {}, {}, list(full)
         for a in range(keep, len(full)):
             end = 0 if a == p - 1 else ends[a - p]
             if a >= p - 1:
-                self.rows[end] = logp[a - keep]
+                self.rows[end], self.tokens[end] = logp[a - keep], a + 1
         for i, tok in enumerate(ids):
             self.next_tok[0 if i == 0 else ends[i - 1]] = tok
+
+
+NEWLINE = b"\n"
+
+
+@dataclass
+class TurnEnd:
+    """Where a member's view reads its reply's end as a newline and the next turn's `header`
+    ("User:", in a plain transcript): `probability` at byte `at` is p(header | text, newline)."""
+
+    view: CanonicalView
+    header: list[int]  # the header's tokens after the newline
+    newline: int  # the member's newline token
+    at: int = 0  # the byte the union is built at (the methods set it)
+
+    @classmethod
+    def of(cls, view: CanonicalView, turn: str) -> "TurnEnd | None":
+        """From the text that starts the next turn ("\nUser:"); None where the member's tokens of
+        it do not begin with its own newline token."""
+        m = view.member
+        ids = m.encode(turn)
+        newline = vocab_index(m).by_bytes.get(NEWLINE)
+        ok = turn.startswith("\n") and newline is not None and len(ids) > 1 and ids[0] == newline
+        return cls(view, ids[1:], newline) if ok else None
+
+    def probability(self) -> float:
+        """One forward of the newline and the header (less its last token) on the view's state
+        cropped to byte `at` (its rows already read stay as they are; its next sync picks up from
+        where the state ends)."""
+        v, n = self.view, self.view.tokens[self.at]
+        have = len(v.state.ids)
+        if have < n:  # an earlier probe of this text cropped it shorter
+            v.member.extend(v.state, v.synced[have:n], last_only=True)
+        v.member.crop(v.state, n)
+        ids = [self.newline] + self.header
+        rows = v.member.extend(v.state, ids[:-1])
+        return math.exp(sum(take_async(row, [t]).get()[0] for row, t in zip(rows, ids[1:])))
+
+
+def turn_ends(views: Sequence[CanonicalView], main: int, turns: Sequence[str]) -> list[TurnEnd | None]:
+    """Per member in `start_members`' order (the main member first, whose own state is ahead of
+    the text in a draft: None), the views' `TurnEnd`s from the request's `turn_ends` (engine order;
+    "" where a member's EOS ends its reply)."""
+    others = [i for i in range(len(views) + 1) if i != main]
+    return [None] + [TurnEnd.of(v, turns[i]) if turns and turns[i] else None for v, i in zip(views, others)]
 
 
 def start_members(

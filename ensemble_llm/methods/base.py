@@ -102,6 +102,9 @@ class Request:
     aside: tuple[int, ...] = ()  # members that failed the shot exam (evidence.py): weight FLOOR
     guide: Any = None  # a constraints.Guide when the reply must match a grammar, else None
     trace: list[dict] | None = None  # when a list, the method appends where the ensemble decided
+    # per member, the text that starts the next turn after its reply where a newline and a header
+    # end it (a chat in a plain transcript: "\nUser:"); "" where its EOS ends it
+    turn_ends: list[str] = field(default_factory=list)
 
 
 class Method(abc.ABC):

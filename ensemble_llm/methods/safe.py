@@ -31,7 +31,17 @@ import torch
 
 from ..errors import ConfigError
 from ..members.rows import pick_token, query_async, take_async
-from .align import EOS, VocabIndex, sharpen, start_members, top_keys, union_distribution, valid_utf8_prefix, vocab_index
+from .align import (
+    EOS,
+    VocabIndex,
+    sharpen,
+    start_members,
+    top_keys,
+    turn_ends,
+    union_distribution,
+    valid_utf8_prefix,
+    vocab_index,
+)
 from .base import EVIDENCE, SOLO, Method, Request, check_evidence, check_solo
 from .text import Utf8Releaser
 from .unite import UniteStats, check_ensemble_members, check_main, check_onto_main, check_weights
@@ -138,6 +148,7 @@ class _SafeRun:
             members, req.main, req.weights, req.prompt_ids
         )
         self.wsum = sum(self.weights)
+        self.ends = turn_ends(self.views, req.main, req.turn_ends)
         self.drafter, self.didx = self.ordered[0], vocab_index(self.ordered[0])
         self.st = req.stats = SafeStats()
         self.guide, self.main, self.plen = req.guide, req.main, len(self.dstate.ids)
@@ -245,7 +256,7 @@ class _SafeRun:
             if self.consensus(tok, row, key, b, vrows):
                 st.skipped_consensus += 1
                 if self.req.trace is not None:  # with what UniTE would have picked here (Theorem 1: the same)
-                    dist = self.union([row] + vrows)
+                    dist = self.union([row] + vrows, b)
                     self.note(byte=b, reason="consensus", key=key, unite_pick=dist.keys[int(torch.argmax(dist.probs))])
                 continue
             choice = self.ensemble(row, vrows, full[:b])
@@ -286,15 +297,23 @@ class _SafeRun:
         p_mean = sum(w * p for w, p in zip(self.weights, p_own)) / self.wsum
         return aligned and ((agree and not self.cfg.onto_main) or p_mean > self.cfg.consensus)
 
-    def union(self, rows: list):
-        return union_distribution(self.ordered, rows, self.weights, self.cfg.top_k, onto_main=self.cfg.onto_main)
+    def union(self, rows: list, at: int):
+        """The union at byte `at` of the text (where the members' turn ends are read)."""
+        for end in self.ends:
+            if end is not None:
+                end.at = at
+        cfg, req = self.cfg, self.req
+        argmax = req.temperature == 0 and req.guide is None and cfg.sharpen is None  # the pick is the argmax
+        return union_distribution(
+            self.ordered, rows, self.weights, cfg.top_k, cfg.onto_main, turn_ends=self.ends, argmax_only=argmax
+        )
 
     def ensemble(self, row: torch.Tensor, vrows: list, before: bytes):
         """5. The UniTE distribution over the drafter's and the verifiers' rows (sharpened when its
         max < 0.5), masked by the grammar after `before`; a key picked from it (None: no key allowed)."""
         cfg = self.cfg
         self.st.tokens_ensembled += 1
-        dist = self.union([row] + vrows)
+        dist = self.union([row] + vrows, len(before))
         probs = dist.probs
         if float(probs.max()) < 0.5:
             probs = sharpen(dist, top_keys(self.drafter, row, cfg.top_k), cfg.sharpen, cfg.sharpen_lambda, self.weights)

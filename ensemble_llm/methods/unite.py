@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from ..members.rows import pick_token
-from .align import EOS, start_members, union_distribution, valid_utf8_prefix, vocab_index
+from .align import EOS, start_members, turn_ends, union_distribution, valid_utf8_prefix, vocab_index
 from .base import EVIDENCE, SOLO, Method, Request, RunStats, check_evidence, check_solo
 from .text import Utf8Releaser
 
@@ -147,6 +147,7 @@ class _UniteRun:
         self.ordered, self.weights, self.pstate, self.views = start_members(
             members, req.main, req.weights, req.prompt_ids
         )
+        self.ends = turn_ends(self.views, req.main, req.turn_ends)
         self.prim = self.ordered[0]
         self.pidx = vocab_index(self.prim)
         self.plen = len(self.pstate.ids)
@@ -192,7 +193,13 @@ class _UniteRun:
         for v in self.views:
             v.sync(text.decode("utf-8"), from_byte=len(text))
             rows.append(v.rows[len(text)])
-        dist = union_distribution(self.ordered, rows, self.weights, self.cfg.top_k, onto_main=self.cfg.onto_main)
+        for end in self.ends:
+            if end is not None:
+                end.at = len(text)
+        cfg, argmax = self.cfg, self.req.temperature == 0 and guide is None  # the pick is the argmax
+        dist = union_distribution(
+            self.ordered, rows, self.weights, cfg.top_k, cfg.onto_main, turn_ends=self.ends, argmax_only=argmax
+        )
         logp = torch.log(dist.probs)
         if guide:  # only keys whose bytes the grammar allows here (None: no key is)
             logp = guide.key_logprobs(text, [None if k is EOS else k for k in dist.keys], logp)
