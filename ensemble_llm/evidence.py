@@ -40,10 +40,12 @@ alone. Only a wide gap acts: which member explains the shots a little better say
 which is right next (routing by it chose the worse member on factual tasks), while a member that
 is nowhere near writing any of them is at the floor.
 
-The copy test, part of the exam (raw few-shot prompts): a member can follow every shown answer
-and still answer the query with its question (a demonym task's "France" for "French": the shown
-answers begin with their questions). Where no shown answer is its own question, that reply
-contradicts the shots: the member whose greedy reply is the question itself (`query_copy`,
+The copy test, part of the exam (raw few-shot prompts, and chats whose earlier turns show
+answers): a member can follow every shown answer and still answer the query with its question (a
+demonym task's "France" for "French": the shown answers begin with their questions). Where no
+shown answer is its own question, that reply contradicts the shots: the member whose greedy reply
+is the question itself and nothing more (`query_copy`: the question and its newline; `chat_copy`:
+the last user message and the member's end of turn, so "wetter" for "wet" is no copy;
 `TokenLM.greedy_after` on the scored prompt's state: a forward only where the copy's first token
 is the member's greedy one) steps aside, if another member's is not (`copy_aside`; where every
 member copies, it says nothing).
