@@ -33,6 +33,7 @@ from ..errors import ConfigError
 from ..members.rows import pick_token, query_async, take_async
 from .align import (
     EOS,
+    NEWLINE,
     VocabIndex,
     sharpen,
     start_members,
@@ -295,6 +296,8 @@ class _SafeRun:
         # member's own top-1 being the token is enough with UniTE's rule (no key outweighs a member's
         # top-1 there), not with onto_main (a verifier's other tokens may add up on another key)
         p_mean = sum(w * p for w, p in zip(self.weights, p_own)) / self.wsum
+        if key == NEWLINE and any(self.ends):  # part of a newline may count for EOS (TurnEnd): not a sure pick
+            return False
         return aligned and ((agree and not self.cfg.onto_main) or p_mean > self.cfg.consensus)
 
     def union(self, rows: list, at: int):
