@@ -260,7 +260,7 @@ class TurnEnd:
 
     @classmethod
     def of(cls, view: CanonicalView, turn: str) -> "TurnEnd | None":
-        """From the text that starts the next turn ("\nUser:"); None where the member's tokens of
+        """From the text that starts the next turn ("\\nUser:"); None where the member's tokens of
         it do not begin with its own newline token."""
         m = view.member
         ids = m.encode(turn)
