@@ -260,10 +260,15 @@ def _auto(method) -> bool:
     return isinstance(given, str) and given == "auto"
 
 
+def _turns(messages: list[dict]) -> list[tuple[str, str]]:
+    """A chat's (role, content as text) pairs."""
+    return [(m.get("role"), content_text(m.get("content"))) for m in messages]
+
+
 def _plans(members, prompt, raw: bool, texts: list[str], prompt_ids: list[list[int]]) -> list[list[list[int]]]:
     """Per member, the positions of each shown answer's tokens in its prompt ids; [] when a
     member's prompt shows none (or its ids are not its text's tokens)."""
-    turns = [] if raw or isinstance(prompt, str) else [(m.get("role"), content_text(m.get("content"))) for m in prompt]
+    turns = [] if raw or isinstance(prompt, str) else _turns(prompt)
     plans = []
     for m, text, ids in zip(members, texts, prompt_ids):
         groups = span_groups(m, text, ids, answer_spans(text) if raw else chat_spans(text, turns))
@@ -345,8 +350,7 @@ def _copy_text(member, prompts: MemberPrompts, k: int) -> tuple[str, int] | None
     if prompts.raw:
         copy = query_copy(text)
         return (text + copy, len(copy.encode("utf-8")) - 1) if copy else None
-    turns = [(m.get("role"), content_text(m.get("content"))) for m in prompts.prompt]
-    copy = chat_copy(turns)
+    copy = chat_copy(_turns(prompts.prompt))
     reply = _chat_reply(member, copy) if copy else None
     if reply is None:
         return None

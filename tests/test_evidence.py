@@ -485,15 +485,13 @@ def test_a_member_that_copies_the_question_steps_aside(real_dirs, method):
     assert "copy" not in off.generate(DEMONYM, raw=True, max_new_tokens=8, stop=["\n"]).stats
 
 
-PLURAL_TURNS = [
-    {"role": "user", "content": "market"},
-    {"role": "assistant", "content": "markets"},
-    {"role": "user", "content": "quarrel"},
-    {"role": "assistant", "content": "quarrels"},
-    {"role": "user", "content": "dissenter"},
-    {"role": "assistant", "content": "dissenters"},
-    {"role": "user", "content": "reward"},
-]
+def _turns(shots: list[tuple[str, str]], query: str) -> list[dict]:
+    """Shots as earlier chat turns, then the query as the last user message."""
+    pairs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in shots]
+    return [m for p in pairs for m in p] + [{"role": "user", "content": query}]
+
+
+PLURAL_TURNS = _turns([("market", "markets"), ("quarrel", "quarrels"), ("dissenter", "dissenters")], "reward")
 
 
 @pytest.mark.parametrize("method", ["safe", "unite"])
@@ -542,13 +540,7 @@ def test_copy_tokens_are_a_short_continuation_of_the_prompt(tiny_members):
     assert copy_tokens(members, MemberPrompts(long, True, [long] * 2, long_ids)) is None  # could extend by as much
 
 
-TURNS = [
-    {"role": "user", "content": "run"},
-    {"role": "assistant", "content": "ran"},
-    {"role": "user", "content": "see"},
-    {"role": "assistant", "content": "saw"},
-    {"role": "user", "content": "forgive"},
-]
+TURNS = _turns([("run", "ran"), ("see", "saw")], "forgive")
 
 
 def test_chat_copy_is_the_last_user_turn_unless_a_shown_answer_copies_its_question():
